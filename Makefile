@@ -1,0 +1,45 @@
+# Every target a README command names. `make train` and `make test` set up .venv themselves.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is pinned and installed first: an unpinned torch pulls several GB of CUDA wheels.
+TORCH_VERSION ?= 2.13.0
+CONFIG ?= configs/regression/ddp.yaml
+PYTEST_ARGS ?=
+
+.PHONY: venv train test test-fast lint format bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -e ".[dev]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+train: venv
+	$(if $(DATA),LIT_DDP_DATA="$(DATA)") $(BIN)/lit-ddp fit --config $(CONFIG) $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check lit_ddp tests bench
+	$(BIN)/ruff format --check lit_ddp tests bench
+
+format: venv
+	$(BIN)/ruff format lit_ddp tests bench
+	$(BIN)/ruff check --fix lit_ddp tests bench
+
+# The whole suite: lint, fast tests, then slow and multi-process ones (Slurm tests skip unless the
+# local cluster runs: `slurm/local_cluster.sh start`).
+test: venv lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Only the quick tests (no slow / multiprocess / slurm markers).
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow and not multiprocess and not slurm" $(PYTEST_ARGS)
+
+bench: venv
+	$(BIN)/python -m bench.checkpoint_overhead
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,109 @@
+"""The ``lit-ddp`` command: a LightningCLI whose run directory is ``trainer.default_root_dir``.
+
+Layout of a run directory (``trainer.default_root_dir``)::
+
+    <root>/config.yaml                 the resolved config of the last launch
+    <root>/hparams.yaml, events.out.*  TensorBoard logs (one log, continued across restarts)
+    <root>/checkpoints/*.ckpt          ModelCheckpoint files, plus last.ckpt
+    <root>/hpc_ckpt_N.ckpt             Lightning's Slurm requeue checkpoint (only under Slurm)
+
+Re-running the same command resumes from the newest valid checkpoint there (see
+:func:`lit_ddp.checkpointing.find_resume_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_ddp.checkpointing import find_resume_checkpoint
+
+DEFAULT_ROOT_DIR = "runs/default"
+DEFAULT_SEED = 1337
+
+
+def checkpoint_dir(root_dir: str | None) -> str:
+    """``<root_dir>/checkpoints``: where ModelCheckpoint writes."""
+    root = str(root_dir or DEFAULT_ROOT_DIR)
+    return root.rstrip("/") + "/checkpoints"
+
+
+class LitDDPCLI(LightningCLI):
+    """LightningCLI with the project's defaults.
+
+    - ``checkpoint.*`` configures a ModelCheckpoint whose ``dirpath`` is linked to
+      ``<trainer.default_root_dir>/checkpoints``; the tutorial's ``save_every`` is
+      ``checkpoint.every_n_epochs``.
+    - ``lr_monitor.*`` configures a LearningRateMonitor.
+    - The logger defaults to a TensorBoardLogger writing straight into ``trainer.default_root_dir``
+      (no ``version_N`` folders), so a restart continues the same log.
+    - ``fit`` without ``--ckpt_path`` resumes from the newest valid checkpoint of the run directory.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("seed_everything_default", DEFAULT_SEED)
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.save_last": True,
+                "checkpoint.save_top_k": -1,
+                "checkpoint.every_n_epochs": 1,
+                "trainer.default_root_dir": DEFAULT_ROOT_DIR,
+            }
+        )
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
+        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        parser.set_defaults({"lr_monitor.logging_interval": "step"})
+        # Facts the data decides reach the model through links (skipped when a class lacks the argument).
+        parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        logger = trainer_config.get("logger")
+        if logger is None or logger is True:
+            kwargs["logger"] = TensorBoardLogger(
+                save_dir=str(trainer_config.get("default_root_dir") or DEFAULT_ROOT_DIR),
+                name="",
+                version="",
+                default_hp_metric=False,
+            )
+        return super().instantiate_trainer(**kwargs)
+
+    def before_fit(self) -> None:
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") is None:
+            root = self.trainer.default_root_dir
+            ckpt = find_resume_checkpoint(root, checkpoint_dir(root))
+            if ckpt is not None:
+                rank_zero_info(f"Resuming from {ckpt}")
+                config["ckpt_path"] = ckpt
+
+
+def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
+    """Entry point of ``lit-ddp`` and ``python -m lit_ddp``.
+
+    Args:
+        args: command-line arguments without the program name; ``None`` reads ``sys.argv``.
+    """
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "generate":
+        from lit_ddp.generate import generate_main
+
+        generate_main(argv[1:])
+        return None
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return LitDDPCLI(args=argv)

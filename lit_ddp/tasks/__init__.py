@@ -1,0 +1,1 @@
+"""LightningModules and LightningDataModules, one task per module."""
