@@ -1,0 +1,189 @@
+"""What a Lightning checkpoint lacks for a bit-exact mid-epoch resume, per rank.
+
+Lightning saves the model, optimizer, loops and (for loaders with ``state_dict``/``load_state_dict``, such as
+torchdata's ``StatefulDataLoader``) rank zero's train-loader position. It does not save RNG states, it
+restores rank zero's loader state on every rank, and on a mid-epoch resume it rebuilds the loader iterator
+before it sets the ``DistributedSampler``'s epoch, so under DDP the rest of the epoch is drawn from epoch
+0's permutation (torchdata's ``BatchSampler`` iterates the sampler eagerly). When
+``trainer.estimated_stepping_batches`` is called before the restore (e.g. in ``configure_optimizers`` for an
+LR schedule), the loader state is not restored at all (Lightning issue 20550). :class:`ExactResume` closes
+these gaps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+CHECKPOINT_KEY = "exact_resume"
+
+
+class ExactResume(Callback):
+    """Saves every rank's RNG states and train-loader position; restores each rank's own on resume.
+
+    On save (on every rank, inside ``trainer.save_checkpoint``), the RNG states of torch, CUDA, numpy and
+    Python and the train loaders' ``state_dict()`` of all ranks are gathered into the checkpoint under
+    ``"exact_resume"`` (one ``all_gather_object``; the checkpoint is still written by rank zero only). On
+    resume:
+
+    - each rank's loader state replaces rank zero's in the restored fit loop;
+    - at ``on_train_start`` of a mid-epoch resume, the samplers get the resumed epoch (``set_epoch``) and the
+      loader iterator is rebuilt from the saved state, which also repairs the
+      ``estimated_stepping_batches`` trap;
+    - then each rank's RNG states are set, after everything that draws from them while the loaders are
+      built, so the next training step sees the same random numbers as in the uninterrupted run;
+    - with ``purge_tensorboard``, a TensorBoard "session start" event at the first step the resumed run logs
+      (written at ``on_train_start``) makes TensorBoard drop the points that the killed run logged after
+      its checkpoint, so each step appears once and none is missing.
+
+    A checkpoint from a different world size restores rank ``r mod n``'s states, with a warning: the data
+    split differs anyway, the run goes on but is not exact.
+
+    Args:
+        purge_tensorboard: write TensorBoard's purge marker on resume (see above).
+    """
+
+    def __init__(self, purge_tensorboard: bool = True) -> None:
+        self.purge_tensorboard = purge_tensorboard
+        self._rng_states: dict[str, Any] | None = None
+        self._loader_states: list[dict[str, Any]] | None = None
+        self._purge_pending = False
+        self._purge_step: int | None = None
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        combined_loader = trainer.fit_loop._combined_loader
+        local = {
+            "rng": _rng_states_to_tensors(_collect_rng_states(include_cuda=torch.cuda.is_available())),
+            "train_loaders": combined_loader._state_dicts() if combined_loader is not None else [],
+        }
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, local)
+        else:
+            per_rank = [local]
+        checkpoint[CHECKPOINT_KEY] = {"world_size": len(per_rank), "per_rank": per_rank}
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None:
+            rank_zero_warn(
+                "The checkpoint holds no RNG states (it was written without ExactResume): the run resumes, but "
+                "not bit-exactly."
+            )
+            return
+        per_rank = state["per_rank"]
+        if len(per_rank) != trainer.world_size:
+            rank_zero_warn(
+                f"The checkpoint was written by {len(per_rank)} processes, this run has {trainer.world_size}: "
+                "each rank restores the RNG and loader states of rank (rank mod saved world size); the resume is "
+                "not exact."
+            )
+        mine = per_rank[trainer.global_rank % len(per_rank)]
+        self._rng_states = mine["rng"]
+        fit_state = checkpoint.get("loops", {}).get("fit_loop")
+        if mine["train_loaders"] and fit_state is not None:
+            fit_state["combined_loader"] = mine["train_loaders"]
+            self._loader_states = mine["train_loaders"]
+        self._purge_pending = self.purge_tensorboard and trainer.is_global_zero
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        fit_loop = trainer.fit_loop
+        combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+        if (
+            self._loader_states
+            and fit_loop.restarted_mid_epoch
+            and combined_loader is not None
+            and fetcher is not None
+        ):
+            for dl in combined_loader.flattened:
+                _set_sampler_epoch(dl, fit_loop.epoch_progress.current.processed)
+            combined_loader._load_state_dicts(self._loader_states)
+            fit_loop._combined_loader_states_to_load = []
+            iter(
+                fetcher
+            )  # a fresh iterator from the restored position (draws from the RNGs: before the restore)
+        self._loader_states = None
+        if self._purge_pending:
+            self._purge_step = _first_logged_step(trainer)
+            _purge_tensorboard_from(trainer, self._purge_step)
+            self._purge_pending = False
+        if self._rng_states is not None:
+            _set_rng_states(_rng_states_from_tensors(self._rng_states))
+            self._rng_states = None
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._purge_step is not None:
+            actual = trainer.fit_loop.epoch_loop._batches_that_stepped
+            if actual != self._purge_step:
+                rank_zero_warn(
+                    f"Resumed run logs from step {actual}, TensorBoard was told {self._purge_step}: "
+                    "some steps may show twice or be missing."
+                )
+            self._purge_step = None
+
+
+def _first_logged_step(trainer: Trainer) -> int:
+    """The step at which a resumed run logs first, known at ``on_train_start``.
+
+    Lightning adds 1 to the restored ``_batches_that_stepped`` in ``TrainingEpochLoop.reset`` (after
+    ``on_train_start``, before the first batch; other callbacks log there already) under this condition,
+    copied from it; ``on_train_batch_start`` checks the prediction.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    step = epoch_loop._batches_that_stepped
+    if (
+        epoch_loop.restarting
+        and not epoch_loop._should_accumulate()
+        and (epoch_loop.restarted_on_train_batch_end or not epoch_loop.restarted_on_last)
+    ):
+        step += 1
+    return step
+
+
+def _rng_states_to_tensors(states: dict[str, Any]) -> dict[str, Any]:
+    """numpy's state as a tensor, so that checkpoints still load with ``torch.load(weights_only=True)``."""
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        states = {**states, "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
+    return states
+
+
+def _rng_states_from_tensors(states: dict[str, Any]) -> dict[str, Any]:
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        states = {**states, "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)}
+    return states
+
+
+def _purge_tensorboard_from(trainer: Trainer, step: int) -> None:
+    """Marks a restart at ``step`` in every TensorBoard log: readers drop the earlier points at ``>= step``.
+
+    It is the event that ``SummaryWriter(purge_step=step)`` writes; the writer exists already here (Lightning
+    creates it in the setup hook), so the event is added to it.
+    """
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    for logger in trainer.loggers:
+        if not isinstance(logger, TensorBoardLogger):
+            continue
+        writer = logger.experiment
+        get_file_writer = getattr(writer, "_get_file_writer", None)
+        if get_file_writer is None:
+            rank_zero_warn(f"Cannot mark the restart in {type(writer).__name__}: duplicate steps may show.")
+            continue
+        get_file_writer().add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+        writer.flush()
