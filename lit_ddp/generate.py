@@ -1,0 +1,103 @@
+"""``lit-ddp generate``: text from a minGPT checkpoint, without the training data.
+
+    lit-ddp generate --ckpt_path runs/mingpt/cpu/checkpoints/last.ckpt --prompt "ROMEO:" --max_new_tokens 300
+
+The checkpoint is untrusted input: it is read with ``torch.load(weights_only=True)``, which refuses pickled
+code. The vocabulary and model sizes come from the checkpoint's ``hyper_parameters``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import ArgumentParser
+
+from lit_ddp.tasks.mingpt import DEFAULT_PROMPT, GPTModule
+
+
+def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
+    """A :class:`GPTModule` rebuilt from a checkpoint written by ``lit-ddp fit`` with it, in eval mode.
+
+    Raises:
+        FileNotFoundError: ``ckpt_path`` does not exist.
+        ValueError: the file cannot be loaded with ``weights_only=True``, or it is not a minGPT checkpoint
+            (no ``hyper_parameters`` with a ``vocab``, or a state_dict that does not fit).
+    """
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--ckpt_path {path}: no such file")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means "not a loadable checkpoint"
+        raise ValueError(
+            f"--ckpt_path {path}: cannot be loaded with torch.load(weights_only=True): {e}"
+        ) from e
+    not_gpt = f"--ckpt_path {path} is not a minGPT checkpoint (from lit-ddp fit with GPTModule)"
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise ValueError(f"{not_gpt}: no state_dict")
+    hparams = ckpt.get("hyper_parameters")
+    if not isinstance(hparams, dict) or not hparams.get("vocab"):
+        raise ValueError(f"{not_gpt}: no vocab in its hyper_parameters")
+    accepted = inspect.signature(GPTModule.__init__).parameters
+    kwargs: dict[str, Any] = {k: v for k, v in hparams.items() if k in accepted}
+    try:
+        module = GPTModule(**kwargs)
+        module.load_state_dict(ckpt["state_dict"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{not_gpt}: {e}") from e
+    return module.eval()
+
+
+def generate(
+    ckpt_path: str,
+    prompt: str = DEFAULT_PROMPT,
+    max_new_tokens: int = 500,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int = 1337,
+) -> str:
+    """Samples text from a minGPT checkpoint.
+
+    Args:
+        ckpt_path: a checkpoint written by ``lit-ddp fit --config configs/mingpt/...``.
+        prompt: the start of the text; its characters must be in the checkpoint's vocabulary.
+        max_new_tokens: characters to sample after the prompt (>= 0).
+        temperature: > 1 more random, < 1 more conservative, 0 greedy (>= 0).
+        top_k: sample only among the top_k most likely characters (>= 1); null for all.
+        seed: seed of the sampling generator (same seed, same text).
+
+    Returns:
+        The prompt followed by the sampled characters.
+
+    Raises:
+        FileNotFoundError: ``ckpt_path`` does not exist.
+        ValueError: a bad argument (named in the message) or a file that is not a minGPT checkpoint.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"--temperature={temperature} must be >= 0")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"--top_k={top_k} must be >= 1 (or null for no limit)")
+    if not prompt:
+        raise ValueError("--prompt must not be empty")
+    module = load_gpt(ckpt_path)
+    try:
+        return module.sample(prompt, max_new_tokens, temperature, top_k, seed)
+    except ValueError as e:
+        raise ValueError(f"--prompt {prompt!r}: {e}") from e
+
+
+def generate_main(argv: list[str]) -> None:
+    """``lit-ddp generate ARGS``: prints the generated text. Exits with code 2 on a usage error."""
+    parser = ArgumentParser(prog="lit-ddp generate", description=generate.__doc__.split("\n")[0])
+    parser.add_function_arguments(generate, as_group=False)
+    cfg = parser.parse_args(argv)
+    try:
+        text = generate(**cfg.as_dict())
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    print(text)

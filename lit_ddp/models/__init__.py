@@ -1,0 +1,1 @@
+"""Plain PyTorch architectures (no Lightning): usable in a notebook or a plain training loop."""

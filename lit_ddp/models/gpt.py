@@ -1,0 +1,298 @@
+"""A character-level GPT in plain PyTorch (no Lightning): config, blocks, model, sampling.
+
+Sources: Andrej Karpathy's nanoGPT ``model.py`` (structure, GPT-2 initialization, ``generate``) and minGPT
+(named presets, the AdamW parameter groups), both MIT-licensed; the PyTorch DDP tutorial's
+``minGPT-ddp/mingpt/model.py`` for the tutorial's sizes.
+
+The tutorial's model passes a float 0/1 ``tril`` mask to ``nn.MultiheadAttention``. A float mask is *added*
+to the attention scores, so the future is not blocked (it gets +0, the past +1) and that model sees future
+tokens. Here attention goes through ``F.scaled_dot_product_attention(is_causal=True)``: position ``t`` only
+attends to positions ``<= t`` (``tests/test_gpt_model.py`` checks it).
+
+Shape legend::
+
+    B   batch size                      T   sequence length (<= block_size)
+    C   embedding width (n_embd)        nh  attention heads (n_head)
+    hs  head size (C // nh)             V   vocabulary size
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Named sizes (n_layer, n_head, n_embd). gpt-nano/micro/mini are minGPT's; "tutorial" is the DDP tutorial's
+# gpt2_train_cfg.yaml.
+PRESETS: dict[str, dict[str, int]] = {
+    "gpt-nano": {"n_layer": 3, "n_head": 3, "n_embd": 48},
+    "gpt-micro": {"n_layer": 4, "n_head": 4, "n_embd": 128},
+    "gpt-mini": {"n_layer": 6, "n_head": 6, "n_embd": 192},
+    "tutorial": {"n_layer": 8, "n_head": 8, "n_embd": 512},
+}
+
+
+@dataclass
+class GPTConfig:
+    """Sizes of a :class:`GPT`.
+
+    Raises:
+        ValueError: a non-positive size, ``n_embd`` not divisible by ``n_head``, or ``dropout`` outside [0, 1).
+    """
+
+    n_layer: int = 3
+    """Transformer blocks."""
+    n_head: int = 3
+    """Attention heads per block; must divide ``n_embd``."""
+    n_embd: int = 48
+    """Embedding width C."""
+    block_size: int = 128
+    """Longest context, in tokens (positions of the learned position embedding)."""
+    vocab_size: int = 65
+    """Number of token ids V (Tiny Shakespeare has 65 distinct characters)."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention weights and residual branches."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm layers (GPT-2 has them; False is slightly faster)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: int | float | bool) -> GPTConfig:
+        """A config from a named preset (``gpt-nano``, ``gpt-micro``, ``gpt-mini``, ``tutorial``) and overrides.
+
+        Raises:
+            ValueError: an unknown preset name or override key.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; known: {sorted(PRESETS)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position ``t`` attends only to positions ``<= t``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v together
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C) -> (B, T, C)``."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``C -> 4C -> GELU -> C``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C) -> (B, T, C)``."""
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C) -> (B, T, C)``."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2 style decoder-only transformer over token ids.
+
+    Weights are initialized as in GPT-2: normal(0, 0.02) for Linear and Embedding weights, zero biases,
+    and the residual projections (``*.c_proj.weight``) scaled down to std ``0.02 / sqrt(2 * n_layer)``.
+    The output head shares its weight with the token embedding (weight tying).
+
+    Args:
+        config: the sizes.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "wpe": nn.Embedding(config.block_size, config.n_embd),
+                "drop": nn.Dropout(config.dropout),
+                "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
+            }
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_parameters(self, non_embedding: bool = True) -> int:
+        """Parameter count; ``non_embedding`` leaves out the position embedding (the token embedding is
+        shared with the head, so it counts), as nanoGPT reports it."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs (forward + backward) per token at context ``seq_len`` (default ``block_size``).
+
+        nanoGPT's estimate (PaLM paper, appendix B): ``6 N + 12 L C T`` with N the non-embedding parameters.
+        """
+        T = seq_len or self.config.block_size
+        cfg = self.config
+        return 6 * self.num_parameters() + 12 * cfg.n_layer * cfg.n_embd * T
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for every position, and the mean cross-entropy against ``targets`` if given.
+
+        Args:
+            idx: token ids ``(B, T)``, int64, with ``T <= block_size``.
+            targets: the next token at every position ``(B, T)``, or None. Id ``-1`` is ignored.
+
+        Returns:
+            ``(logits (B, T, V), loss)``; ``loss`` is a scalar in nats per token, or None without targets.
+
+        Raises:
+            ValueError: ``T`` longer than ``block_size``.
+        """
+        B, T = idx.shape
+        if idx.size(1) > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x)  # (B, T, C)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Samples ``max_new_tokens`` tokens after ``idx``, feeding each back in (the last ``block_size``
+        tokens are the context). Call ``eval()`` first for dropout-free sampling.
+
+        Args:
+            idx: prompt token ids ``(B, T)``, ``T >= 1``.
+            max_new_tokens: tokens to append, ``>= 0``.
+            temperature: divides the logits; ``0`` means greedy (argmax).
+            top_k: sample only among the ``top_k`` most likely tokens; None for all.
+            generator: random source for sampling (for reproducible samples).
+
+        Returns:
+            ``(B, T + max_new_tokens)``: the prompt followed by the sampled ids.
+
+        Raises:
+            ValueError: negative ``max_new_tokens`` or ``temperature``, ``top_k < 1``, or an empty prompt.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k} must be >= 1 (or None for no limit)")
+        if idx.ndim != 2 or idx.size(1) == 0:
+            raise ValueError(f"prompt ids must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size :]  # (B, <=block_size)
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :].float()  # (B, V)
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                probs = F.softmax(logits, dim=-1)  # (B, V)
+                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """minGPT's AdamW parameter groups: weights of Linear layers decay; biases, LayerNorm and Embedding
+    weights do not. A weight tied between an Embedding and a Linear (the GPT head) decays, as in minGPT.
+
+    Returns:
+        ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]``.
+    """
+    decay: dict[int, nn.Parameter] = {}
+    no_decay: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if name == "weight" and isinstance(module, nn.Linear):
+                decay[id(p)] = p
+            else:
+                no_decay.setdefault(id(p), p)
+    for key in decay:
+        no_decay.pop(key, None)
+    return [
+        {"params": list(decay.values()), "weight_decay": weight_decay},
+        {"params": list(no_decay.values()), "weight_decay": 0.0},
+    ]

@@ -1,0 +1,154 @@
+"""CharDataModule: encoding, the contiguous train/val split, truncate, the cached download (no network)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lit_ddp.tasks.mingpt import (
+    DATA_ENV,
+    TINY_SHAKESPEARE_SHA256,
+    TINY_SHAKESPEARE_URL,
+    CharDataModule,
+    CharWindows,
+    build_vocab,
+    decode,
+    encode,
+)
+from tests.helpers_gpt import SHARED_TEXT
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "input.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def test_encode_decode_round_trip() -> None:
+    text = SHARED_TEXT.read_text(encoding="utf-8") if SHARED_TEXT.exists() else TEXT
+    vocab = build_vocab(text)
+    ids = encode(text, vocab)
+    assert ids.dtype == torch.long and ids.shape == (len(text),)
+    assert int(ids.max()) == len(vocab) - 1
+    assert decode(ids, vocab) == text
+    assert decode(encode("é→x", build_vocab("x→é")), build_vocab("x→é")) == "é→x"  # beyond ASCII
+    with pytest.raises(ValueError, match=r"\['Z', 'q'\]"):
+        encode("qZx", "x")
+
+
+def test_shared_text_is_tiny_shakespeare() -> None:
+    if not SHARED_TEXT.exists():
+        pytest.skip(f"{SHARED_TEXT} missing")
+    dm = CharDataModule(data=str(SHARED_TEXT), sha256=TINY_SHAKESPEARE_SHA256)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.vocab_size == 65
+    assert dm.train_set.data.numel() + dm.val_set.data.numel() == 1115394
+
+
+def test_split_is_contiguous_and_disjoint(text_file: Path) -> None:
+    dm = CharDataModule(data=str(text_file), block_size=8, batch_size=4, train_split=0.75)
+    dm.setup("fit")
+    full = encode(TEXT, dm.vocab)
+    n_train = int(len(TEXT) * 0.75)
+    assert torch.equal(dm.train_set.data, full[:n_train])
+    assert torch.equal(dm.val_set.data, full[n_train:])
+    # Every window (inputs and targets) stays inside its own split: no validation character is trained on.
+    last_train = dm.train_set.data.storage_offset() + (len(dm.train_set) - 1) * dm.train_set.stride + 8 + 1
+    assert last_train <= n_train
+    assert dm.val_set.data.storage_offset() == n_train
+    x, y = dm.train_set[len(dm.train_set) - 1]
+    assert decode(torch.cat([x, y[-1:]]), dm.vocab) == TEXT[n_train - 9 : n_train]
+    # Validation windows are disjoint and cover the validation text.
+    assert len(dm.val_set) == (len(TEXT) - n_train - 1) // 8
+    x0, y0 = dm.val_set[0]
+    x1, _ = dm.val_set[1]
+    assert torch.equal(y0[:-1], x0[1:]) and torch.equal(x1[0:1], y0[-1:])
+
+
+def test_batches(text_file: Path) -> None:
+    dm = CharDataModule(data=str(text_file), block_size=8, batch_size=4)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert isinstance(loader, StatefulDataLoader)
+    x, y = next(iter(loader))
+    assert x.shape == (4, 8) and y.shape == (4, 8) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    vx, _ = next(iter(dm.val_dataloader()))
+    assert vx.shape == (4, 8)
+
+
+def test_truncate(text_file: Path) -> None:
+    dm = CharDataModule(data=str(text_file), block_size=8, truncate=0.5)
+    dm.setup("fit")
+    assert dm.train_set.data.numel() + dm.val_set.data.numel() == int(len(TEXT) * 0.5)
+
+
+def test_windows() -> None:
+    data = torch.arange(20)
+    w = CharWindows(data, block_size=4)
+    assert len(w) == 16
+    assert w[15][1].tolist() == [16, 17, 18, 19]
+    assert len(CharWindows(data, 4, stride=4)) == 4
+    with pytest.raises(ValueError, match="too few"):
+        CharWindows(torch.arange(4), block_size=4)
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="train_split=1.0"):
+        CharDataModule(train_split=1.0)
+    with pytest.raises(ValueError, match="truncate=0"):
+        CharDataModule(truncate=0)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        CharDataModule(batch_size=0)
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        CharDataModule(data=str(tmp_path / "nope.txt")).prepare_data()
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    with pytest.raises(ValueError, match="too few"):
+        CharDataModule(data=str(short), block_size=8).setup("fit")
+
+
+def test_source_precedence(monkeypatch: pytest.MonkeyPatch, text_file: Path) -> None:
+    monkeypatch.delenv(DATA_ENV, raising=False)
+    assert CharDataModule().source == TINY_SHAKESPEARE_URL
+    assert CharDataModule().expected_sha256 == TINY_SHAKESPEARE_SHA256
+    monkeypatch.setenv(DATA_ENV, str(text_file))
+    dm = CharDataModule()
+    assert dm.source == str(text_file) and dm.expected_sha256 is None
+    assert CharDataModule(data="other.txt").source == "other.txt"
+
+
+def test_url_downloaded_once_and_verified(tmp_path: Path, text_file: Path) -> None:
+    """A file:// URL goes through the download path: copied into the cache, sha256-checked, reused."""
+    sha = hashlib.sha256(TEXT.encode()).hexdigest()
+    cache = tmp_path / "cache"
+    dm = CharDataModule(data=text_file.as_uri(), sha256=sha, cache_dir=str(cache), block_size=8)
+    dm.prepare_data()
+    cached = list(cache.iterdir())
+    assert len(cached) == 1 and cached[0].read_text() == TEXT
+    text_file.unlink()  # offline from now on: the cache serves
+    dm2 = CharDataModule(data=text_file.as_uri(), sha256=sha, cache_dir=str(cache), block_size=8)
+    dm2.prepare_data()
+    dm2.setup("fit")
+    assert decode(dm2.train_set.data[:13], dm2.vocab) == "First Citizen"
+
+
+def test_sha256_mismatch_rejected(tmp_path: Path) -> None:
+    url = "memory://lit_ddp_test/corrupt.txt"
+    with fsspec.open(url, "wb") as f:
+        f.write(b"not the text you are looking for")
+    cache = tmp_path / "cache"
+    dm = CharDataModule(data=url, sha256="0" * 64, cache_dir=str(cache))
+    with pytest.raises(ValueError, match=f"sha256 mismatch for {url}: expected {'0' * 64}"):
+        dm.prepare_data()
+    assert list(cache.iterdir()) == []  # nothing half-verified is left behind
+    fsspec.filesystem("memory").rm(url)
