@@ -18,12 +18,14 @@ import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_ddp.callbacks import ExactResume, PeriodicCheckpoint
 from lit_ddp.checkpointing import find_resume_checkpoint
+from lit_ddp.launch import enforce_launch
 
 DEFAULT_ROOT_DIR = "runs/default"
 DEFAULT_SEED = 1337
@@ -38,10 +40,12 @@ def checkpoint_dir(root_dir: str | None) -> str:
 class LitDDPCLI(LightningCLI):
     """LightningCLI with the project's defaults.
 
-    - ``checkpoint.*`` configures a ModelCheckpoint whose ``dirpath`` is linked to
+    - ``checkpoint.*`` configures a ModelCheckpoint (:class:`~lit_ddp.callbacks.PeriodicCheckpoint`, which
+      also takes ``every_n_train_steps`` and ``train_time_interval`` together) whose ``dirpath`` is linked to
       ``<trainer.default_root_dir>/checkpoints``; the tutorial's ``save_every`` is
       ``checkpoint.every_n_epochs``.
     - ``lr_monitor.*`` configures a LearningRateMonitor.
+    - ``exact_resume.*`` configures :class:`~lit_ddp.callbacks.ExactResume` (RNG and loader states per rank).
     - The logger defaults to a TensorBoardLogger writing straight into ``trainer.default_root_dir``
       (no ``version_N`` folders), so a restart continues the same log.
     - ``fit`` without ``--ckpt_path`` resumes from the newest valid checkpoint of the run directory.
@@ -56,7 +60,7 @@ class LitDDPCLI(LightningCLI):
         super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
         parser.set_defaults(
             {
                 "checkpoint.save_last": True,
@@ -68,8 +72,15 @@ class LitDDPCLI(LightningCLI):
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
+        # Per-rank RNG and loader states in every checkpoint: a resume is bit-exact (lit_ddp.callbacks).
+        parser.add_lightning_class_args(ExactResume, "exact_resume")
         # Facts the data decides reach the model through links (skipped when a class lacks the argument).
         parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
+
+    def before_instantiate_classes(self) -> None:
+        # Slurm / torchrun mis-launches: one clear message and exit 2 before anything starts (lit_ddp.launch).
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        enforce_launch(config.get("trainer"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
@@ -91,6 +102,19 @@ class LitDDPCLI(LightningCLI):
             if ckpt is not None:
                 rank_zero_info(f"Resuming from {ckpt}")
                 config["ckpt_path"] = ckpt
+
+    def after_fit(self) -> None:
+        """Rank zero prints the best monitored value, the checkpoint path, and a text sample when the model
+        has a ``sample()`` method (local to rank zero: no collective calls)."""
+        if not self.trainer.is_global_zero:
+            return
+        ckpt = self.trainer.checkpoint_callback
+        if ckpt is not None and ckpt.best_model_score is not None:
+            print(f"best {ckpt.monitor}: {float(ckpt.best_model_score):.4f}")
+        if ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
+            print(f"checkpoint: {ckpt.best_model_path or ckpt.last_model_path}")
+        if callable(getattr(self.model, "sample", None)):
+            print(f"sample:\n{self.model.sample()}")
 
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:

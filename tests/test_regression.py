@@ -1,0 +1,206 @@
+"""The toy regression through the tutorial's steps: single device, DDP, torchrun, multinode, resume."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_ddp.cli import cli_main
+from lit_ddp.monitoring import read_scalars
+from lit_ddp.tasks.regression import RegressionDataModule, RegressionModule
+from tests.helpers import REPO, free_port, lit_ddp, run, write_callbacks_config
+
+CONFIGS = REPO / "configs" / "regression"
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def initial_val_loss(config: Path, root: Path) -> float:
+    """val/loss of the untrained model (same seed, so the same initial weights as the fit)."""
+    cli = cli_main(["validate", "--config", str(config), "--trainer.default_root_dir", str(root), *QUIET])
+    return float(cli.trainer.callback_metrics["val/loss"])
+
+
+def train_indices(record: dict, epoch: int) -> set[int]:
+    """Indices into the train split of the inputs a rank was fed in ``epoch``."""
+    dm = RegressionDataModule()
+    dm.setup("fit")
+    x_all = dm.train_set.tensors[0]
+    fed = record["epochs"][epoch]
+    # Rows are continuous random vectors: an exact match identifies the sample.
+    match = (fed[:, None, :] == x_all[None, :, :]).all(-1)
+    assert bool((match.sum(1) == 1).all()), "every fed row is exactly one training sample"
+    return set(match.float().argmax(1).tolist())
+
+
+def test_mse_not_cross_entropy() -> None:
+    """The tutorial's cross_entropy on one output is constantly 0; our loss is a real MSE that learns."""
+    model = RegressionModule()
+    x, y = torch.randn(8, 20), torch.randn(8, 1)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    assert loss.item() > 0
+    assert torch.nn.functional.cross_entropy(model(x), y).item() == 0.0  # the tutorial's defect
+
+
+def test_bad_datamodule_arguments() -> None:
+    with pytest.raises(ValueError, match="batch_size=0"):
+        RegressionDataModule(batch_size=0)
+    with pytest.raises(ValueError, match="val_fraction=1.5"):
+        RegressionDataModule(val_fraction=1.5)
+
+
+def test_data_is_seeded_and_learnable() -> None:
+    a, b = RegressionDataModule(), RegressionDataModule()
+    a.setup("fit"), b.setup("fit")
+    assert torch.equal(a.train_set.tensors[0], b.train_set.tensors[0])
+    assert len(a.train_set) + len(a.val_set) == 2048
+    assert a.train_set.tensors[0].shape == (1792, 20) and a.train_set.tensors[1].shape == (1792, 1)
+    # The tutorial's option: targets unrelated to inputs.
+    r = RegressionDataModule(random_targets=True)
+    r.setup("fit")
+    assert r.train_set.tensors[1].min() >= 0 and r.train_set.tensors[1].max() < 1
+
+
+@pytest.mark.slow
+def test_single_device_learns(tmp_path: Path) -> None:
+    config = CONFIGS / "single_device.yaml"
+    before = initial_val_loss(config, tmp_path / "validate")
+    root = tmp_path / "run"
+    cli = cli_main(["fit", "--config", str(config), "--trainer.default_root_dir", str(root), *QUIET])
+    assert cli.trainer.current_epoch == 20  # the config's default epochs
+    after = float(cli.trainer.callback_metrics["val/loss"])
+    r2 = float(cli.trainer.callback_metrics["val/r2"])
+    assert before / after >= 5, (before, after)
+    assert r2 >= 0.9
+    # Everything lives in the run directory at predictable paths.
+    ckpts = sorted(p.name for p in (root / "checkpoints").iterdir())
+    assert ckpts == ["epoch=14-step=840.ckpt", "epoch=19-step=1120.ckpt", "epoch=4-step=280.ckpt",
+                     "epoch=9-step=560.ckpt", "last.ckpt"]  # fmt: skip
+    assert (root / "config.yaml").is_file()
+    assert not (root / "version_0").exists() and not (root / "lightning_logs").exists()
+    val = read_scalars(root, "val/loss")
+    assert len(val) == 20 and val[-1][1] == pytest.approx(after)
+    assert len(read_scalars(root, "train/loss_step")) > 0
+    ckpt = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["optimizer_states"], "optimizer state is saved (the tutorial's snapshot skipped it)"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_ddp_two_processes(tmp_path: Path) -> None:
+    config = CONFIGS / "ddp.yaml"
+    before = initial_val_loss(config, tmp_path / "validate")
+    root, rec = tmp_path / "run", tmp_path / "rec"
+    extra = write_callbacks_config(tmp_path / "cb.yaml", ("tests.helpers.RecordRun", {"out_dir": str(rec)}))
+    out = run(lit_ddp("fit", "--config", str(config), "--config", str(extra),
+                      "--trainer.default_root_dir", str(root), *QUIET), timeout=200)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-5000:]
+    r0, r1 = (torch.load(rec / f"rank{r}.pt") for r in (0, 1))
+    assert r0["world_size"] == r1["world_size"] == 2
+    assert {r0["global_rank"], r1["global_rank"]} == {0, 1}
+    for epoch in (0, 7, 19):
+        i0, i1 = train_indices(r0, epoch), train_indices(r1, epoch)
+        assert not i0 & i1, f"epoch {epoch}: ranks overlap"
+        assert len(i0) == len(i1) == 896 and i0 | i1 == set(range(1792)), "each rank sees its own half"
+    assert train_indices(r0, 0) != train_indices(r0, 1), "the split is reshuffled each epoch"
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), f"{name} differs between ranks"
+    after = read_scalars(root, "val/loss")[-1][1]
+    assert before / after >= 5, (before, after)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_torchrun_standalone(tmp_path: Path) -> None:
+    root, rec = tmp_path / "run", tmp_path / "rec"
+    extra = write_callbacks_config(tmp_path / "cb.yaml", ("tests.helpers.RecordRun", {"out_dir": str(rec)}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "lit_ddp", "fit", "--config", str(CONFIGS / "torchrun.yaml"), "--config", str(extra),
+           "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "3", *QUIET]  # fmt: skip
+    out = run(cmd, timeout=200)
+    assert out.returncode == 0, out.stdout[-5000:]
+    for r in (0, 1):
+        record = torch.load(rec / f"rank{r}.pt")
+        assert record["world_size"] == 2
+        assert record["cluster_environment"] == "TorchElasticEnvironment"
+        assert record["global_step"] == 3 * 28
+    assert len(read_scalars(root, "val/loss")) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_multinode_two_agents(tmp_path: Path) -> None:
+    """Two torchrun agents, one per "node", meet at a c10d rendezvous on 127.0.0.1 and train as one job."""
+    import subprocess
+
+    from tests.helpers import kill_group, subprocess_env
+
+    root, rec = tmp_path / "run", tmp_path / "rec"
+    extra = write_callbacks_config(tmp_path / "cb.yaml", ("tests.helpers.RecordRun", {"out_dir": str(rec)}))
+    port = free_port()
+    agents = []
+    try:
+        for node_rank in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
+                   "--nproc_per_node", "1", "--rdzv_id", "test", "--rdzv_backend", "c10d",
+                   "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", "join_timeout=120",
+                   "-m", "lit_ddp", "fit", "--config", str(CONFIGS / "multinode.yaml"), "--config", str(extra),
+                   "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "2", *QUIET]  # fmt: skip
+            agents.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO,
+                    env=subprocess_env(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+        outs = [a.communicate(timeout=200)[0] for a in agents]
+        for a, o in zip(agents, outs, strict=True):
+            assert a.returncode == 0, o[-5000:]
+    finally:
+        for a in agents:
+            kill_group(a)
+    records = [torch.load(rec / f"rank{r}.pt") for r in (0, 1)]
+    assert [r["world_size"] for r in records] == [2, 2]
+    assert all(r["cluster_environment"] == "TorchElasticEnvironment" for r in records)
+    assert torch.equal(records[0]["params"]["net.weight"], records[1]["params"]["net.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_rerun_resumes_without_repeating_an_epoch(tmp_path: Path) -> None:
+    """Killed after its epoch-1 checkpoint, the same command resumes at epoch 2 and stops at max_epochs."""
+    root, rec = tmp_path / "run", tmp_path / "rec"
+    args = ["fit", "--config", str(CONFIGS / "single_device.yaml"), "--trainer.default_root_dir", str(root),
+            "--trainer.max_epochs", "5", "--checkpoint.every_n_epochs", "1", *QUIET]  # fmt: skip
+    killer = write_callbacks_config(
+        tmp_path / "kill.yaml",
+        ("tests.helpers.KillAtEpochStart", {"epoch": 2}),
+        ("tests.helpers.RecordRun", {"out_dir": str(rec)}),
+    )
+    first = run(lit_ddp(*args, "--config", str(killer)), timeout=120)
+    assert first.returncode == -9, first.stdout[-3000:]
+    saved = sorted(p.name for p in (root / "checkpoints").iterdir())
+    assert saved == ["epoch=0-step=56.ckpt", "epoch=1-step=112.ckpt", "last.ckpt"]
+    shutil.rmtree(rec, ignore_errors=True)
+    recorder = write_callbacks_config(tmp_path / "rec.yaml", ("tests.helpers.RecordRun", {"out_dir": str(rec)}))
+    second = run(lit_ddp(*args, "--config", str(recorder)), timeout=120)  # the same command, no resume flag
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "Restoring states from the checkpoint path at" in second.stdout
+    record = torch.load(rec / "rank0.pt")
+    assert sorted(record["epochs"]) == [2, 3, 4], "resumed at epoch 2, no epoch repeated"
+    assert record["global_step"] == 5 * 56
+    last = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["epoch"] == 4 and last["global_step"] == 5 * 56
+    # One continuous TensorBoard log: one val/loss point per epoch, none duplicated.
+    assert [s for s, _ in read_scalars(root, "val/loss")] == [56 * e - 1 for e in range(1, 6)]
