@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # torch is pinned and installed first: an unpinned torch pulls several GB of CUDA wheels.
 TORCH_VERSION ?= 2.13.0
-CONFIG ?= configs/regression/ddp.yaml
+CONFIG ?= configs/mingpt/cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: venv train test test-fast lint format bench clean

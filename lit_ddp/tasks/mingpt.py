@@ -39,9 +39,7 @@ from torchmetrics import MeanMetric
 
 from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, adamw_param_groups
 
-TINY_SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
+TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 DATA_ENV = "LIT_DDP_DATA"
 """Environment variable (a path or URL) that overrides the default text; ``make train DATA=...`` sets it."""
@@ -152,9 +150,7 @@ class CharWindows(Dataset):
 
     def __init__(self, data: torch.Tensor, block_size: int, stride: int = 1) -> None:
         if data.numel() < block_size + 1:
-            raise ValueError(
-                f"{data.numel()} tokens are too few for one window of block_size={block_size} + 1"
-            )
+            raise ValueError(f"{data.numel()} tokens are too few for one window of block_size={block_size} + 1")
         self.data = data
         self.block_size = block_size
         self.stride = stride
@@ -173,8 +169,9 @@ class CharDataModule(LightningDataModule):
 
     The text comes from ``data``, else the ``LIT_DDP_DATA`` environment variable, else Tiny Shakespeare.
     A URL is downloaded once (``prepare_data``, local rank zero) into ``cache_dir``; a plain path is read in
-    place. In ``setup`` every rank encodes the whole text into one int64 tensor, keeps its first
-    ``truncate`` fraction, and splits it contiguously: the first ``train_split`` for training, the rest for
+    place. In ``setup`` every rank builds the vocabulary of the whole text (unlike the tutorial, which
+    builds it after truncating, so a prompt may use any character of the file), encodes the first
+    ``truncate`` fraction into one int64 tensor, and splits it contiguously: the first ``train_split`` for training, the rest for
     validation, so no validation window overlaps training text. Training windows start at every position
     (as the tutorial); validation windows are disjoint (stride ``block_size``), which estimates the same
     loss ``block_size`` times cheaper. A batch is ``(x, y)``, both ``(B, T)`` int64.
@@ -251,8 +248,8 @@ class CharDataModule(LightningDataModule):
             return
         hp = self.hparams
         text = self.local_path().read_text(encoding="utf-8")
+        self.vocab = build_vocab(text)  # of the whole text: truncate never shrinks what a prompt may use
         text = text[: int(len(text) * hp.truncate)]
-        self.vocab = build_vocab(text)
         data = encode(text, self.vocab)
         n_train = int(data.numel() * hp.train_split)
         self.train_set = CharWindows(data[:n_train], hp.block_size, stride=1)
@@ -294,11 +291,15 @@ class GPTThroughputMonitor(ThroughputMonitor):
     Args:
         available_flops: peak FLOP/s of one device (one process); None: Lightning's table (GPUs only).
             On CPU, measure it with ``python -m bench.matmul_peak``.
+        window_size: batches the rates are averaged over (rates appear once this many have run).
     """
 
-    def __init__(self, available_flops: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, available_flops: float | None = None, window_size: int = 20, **kwargs: Any) -> None:
         super().__init__(
-            batch_size_fn=lambda batch: batch[0].size(0), length_fn=lambda batch: batch[0].numel(), **kwargs
+            batch_size_fn=lambda batch: batch[0].size(0),
+            length_fn=lambda batch: batch[0].numel(),
+            window_size=window_size,
+            **kwargs,
         )
         self._available_flops_override = available_flops
 
@@ -568,9 +569,7 @@ class GPTModule(LightningModule):
         return decode(out[0], self.vocab)
 
 
-def lr_factor(
-    step: int, warmup_steps: int, cosine_decay: bool, decay_steps: int | None, min_ratio: float
-) -> float:
+def lr_factor(step: int, warmup_steps: int, cosine_decay: bool, decay_steps: int | None, min_ratio: float) -> float:
     """Learning-rate multiplier at optimizer step ``step``: linear warmup over ``warmup_steps``, then constant
     or (``cosine_decay``) a cosine from 1 down to ``min_ratio`` at ``decay_steps``, flat afterwards
     (nanoGPT's ``get_lr``)."""

@@ -1,0 +1,143 @@
+"""minGPT through the CLI: a fit, `lit-ddp generate` without the data, usage errors, 2-process DDP."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_ddp.cli import cli_main
+from lit_ddp.generate import generate, load_gpt
+from lit_ddp.tasks.mingpt import GPTModule, build_vocab
+from tests.helpers import free_port, lit_ddp, run, write_callbacks_config
+from tests.helpers_gpt import CPU_CONFIG, SHARED_TEXT, TINY_ARGS
+
+TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 40
+
+
+def tiny_module() -> GPTModule:
+    return GPTModule(model_type="gpt-nano", n_layer=1, n_head=2, n_embd=16, block_size=16, vocab=build_vocab(TEXT))
+
+
+def save_like_lightning(module: GPTModule, path: Path) -> Path:
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return path
+
+
+def test_generate_from_hparams_and_weights_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ckpt = save_like_lightning(tiny_module(), tmp_path / "tiny.ckpt")
+    hparams = torch.load(ckpt, weights_only=True)["hyper_parameters"]  # primitive hparams only
+    assert hparams["vocab"] == build_vocab(TEXT) and hparams["betas"] == (0.9, 0.95)
+    cli_main(["generate", "--ckpt_path", str(ckpt), "--prompt", "ROMEO:", "--max_new_tokens", "30", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and len(out.rstrip("\n")) >= 36
+    assert generate(str(ckpt), "ROMEO:", 30, seed=3) == generate(str(ckpt), "ROMEO:", 30, seed=3)
+    assert generate(str(ckpt), "RO", 0) == "RO"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max_new_tokens", "-1"], "--max_new_tokens=-1 must be >= 0"),
+        (["--top_k", "0"], "--top_k=0 must be >= 1"),
+        (["--prompt", "ROMEO@"], "'@'"),
+        (["--max_new_tokens", "many"], "max_new_tokens"),
+    ],
+)
+def test_generate_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:
+    ckpt = save_like_lightning(tiny_module(), tmp_path / "tiny.ckpt")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["generate", "--ckpt_path", str(ckpt), *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_rejects_other_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    other = tmp_path / "regression.ckpt"
+    torch.save({"state_dict": {"net.weight": torch.zeros(1, 20)}, "hyper_parameters": {"num_features": 20}}, other)
+    pickled = tmp_path / "pickled.ckpt"
+    torch.save({"state_dict": {}, "payload": Path("x")}, pickled)  # needs unpickling code: refused
+    for path, message in [
+        (other, f"--ckpt_path {other} is not a minGPT checkpoint"),
+        (pickled, "cannot be loaded with torch.load(weights_only=True)"),
+        (tmp_path / "missing.ckpt", "no such file"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["generate", "--ckpt_path", str(path)])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fit_then_generate_without_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """One process: train briefly, remove the text, generate from the checkpoint alone."""
+    text = tmp_path / "input.txt"
+    if SHARED_TEXT.exists():
+        shutil.copy(SHARED_TEXT, text)
+    else:
+        text.write_text(TEXT * 20)
+    root = tmp_path / "run"
+    # fmt: off
+    cli_main([
+        "fit", "--config", str(CPU_CONFIG), *TINY_ARGS,
+        "--trainer.devices", "1", "--trainer.strategy", "auto",
+        "--data.init_args.data", str(text),
+        "--trainer.max_steps", "10", "--trainer.val_check_interval", "5",
+        "--trainer.default_root_dir", str(root),
+    ])
+    # fmt: on
+    printed = capsys.readouterr().out
+    assert "best val/loss: " in printed and "checkpoint: " in printed and "sample:\nO God, O God!" in printed
+    text.unlink()
+    ckpt = root / "checkpoints" / "last.ckpt"
+    raw = torch.load(ckpt, weights_only=True)  # the whole Lightning checkpoint is weights_only-safe
+    assert raw["hyper_parameters"]["vocab"] and raw["hyper_parameters"]["block_size"] == 16
+    module = load_gpt(ckpt)
+    assert module.model.config.block_size == 16 and module.model.config.n_layer == 1
+    cli_main(["generate", "--ckpt_path", str(ckpt), "--prompt", "KING:", "--max_new_tokens", "40"])
+    assert capsys.readouterr().out.startswith("KING:")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_ddp_two_processes_agree(tmp_path: Path) -> None:
+    """2-process DDP (gloo) through the CLI: both ranks see the same val/loss, a text sample is logged."""
+    text = tmp_path / "input.txt"
+    if SHARED_TEXT.exists():
+        shutil.copy(SHARED_TEXT, text)
+    else:
+        text.write_text(TEXT * 20)
+    records = tmp_path / "records"
+    callbacks = write_callbacks_config(
+        tmp_path / "callbacks.yaml", ("tests.helpers_gpt.RecordMetrics", {"out_dir": str(records)})
+    )
+    root = tmp_path / "run"
+    # fmt: off
+    cmd = lit_ddp(
+        "fit", "--config", str(CPU_CONFIG), "--config", str(callbacks), *TINY_ARGS,
+        "--data.init_args.data", str(text),
+        "--trainer.max_steps", "30", "--trainer.val_check_interval", "15", "--trainer.log_every_n_steps", "5",
+        "--trainer.default_root_dir", str(root),
+    )
+    # fmt: on
+    proc = run(cmd, timeout=120, cwd=tmp_path, MASTER_PORT=str(free_port()))
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    ranks = [json.loads((records / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 30
+    assert ranks[0]["metrics"]["val/loss"] == ranks[1]["metrics"]["val/loss"]
+    assert ranks[0]["metrics"]["val/ppl"] == pytest.approx(torch.tensor(ranks[0]["metrics"]["val/loss"]).exp().item())
+    # Rank zero alone printed the summary and a sample.
+    assert proc.stdout.count("best val/loss: ") == 1 and proc.stdout.count("sample:\nO God, O God!") == 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(root), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "samples/text_summary" in acc.Tags()["tensors"]
+    assert {"train/loss", "val/loss", "val/ppl", "train/items_per_sec", "train/device/mfu"} <= set(
+        acc.Tags()["scalars"]
+    )
