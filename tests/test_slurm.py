@@ -19,7 +19,7 @@ import torch
 
 from lit_ddp.cli import cli_main
 from lit_ddp.launch import LAUNCH_ERROR_EXIT_CODE, LaunchError, check_launch, devices_per_node, enforce_launch
-from tests.helpers import REPO, free_port, write_callbacks_config
+from tests.helpers import REPO, SHARED_TEXT, free_port, write_callbacks_config
 from tests.helpers_slurm import cancel, job_info, require_cluster, run_srun, sbatch, wait_for, wait_job_done
 
 CONFIG = "configs/regression/slurm.yaml"
@@ -342,3 +342,26 @@ def test_elastic_sbatch_survives_a_killed_worker(cluster, tmp_path: Path) -> Non
         assert second["world_size"] == 2
     record = torch.load(record_dir / "rank0.pt", weights_only=False)
     assert record["global_step"] == EPOCHS * STEPS_PER_EPOCH
+
+
+@pytest.mark.slurm
+@pytest.mark.multiprocess
+def test_sbatch_trains_mingpt(cluster, tmp_path: Path) -> None:
+    """The same sbatch script runs the other task: minGPT with configs/mingpt/slurm.yaml, a few steps."""
+    text = Path(os.environ.get("LIT_DDP_DATA") or SHARED_TEXT)
+    if not text.is_file():
+        pytest.skip(f"no local Tiny Shakespeare at {text} (set LIT_DDP_DATA); tests do not download")
+    record_dir, out = tmp_path / "record", tmp_path / "job.out"
+    cb = callbacks_yaml(tmp_path / "callbacks.yaml", record_dir)
+    args = ["configs/mingpt/slurm.yaml", "--config", str(cb), "--trainer.default_root_dir", str(tmp_path / "run")]
+    args += ["--data.init_args.data", str(text), "--data.init_args.truncate", "0.1"]
+    args += ["--trainer.max_steps", "5", "--trainer.limit_val_batches", "2", *QUIET]
+    job = None
+    try:
+        job = sbatch("slurm/train.sbatch", args, ["-J", unique("gpt"), "-o", str(out), "-N1", "--ntasks-per-node=2"])
+        info = wait_job_done(job, timeout=240, output=out)
+    finally:
+        cancel(job)
+    assert info["JobState"] == "COMPLETED", out.read_text()[-5000:]
+    record = torch.load(record_dir / "rank1.pt", weights_only=False)
+    assert (record["world_size"], record["cluster_environment"], record["global_step"]) == (2, "SLURMEnvironment", 5)
