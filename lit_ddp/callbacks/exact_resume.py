@@ -4,7 +4,10 @@ Lightning saves the model, optimizer, loops and (for loaders with ``state_dict``
 torchdata's ``StatefulDataLoader``) rank zero's train-loader position. It does not save RNG states, it
 restores rank zero's loader state on every rank, and on a mid-epoch resume it rebuilds the loader iterator
 before it sets the ``DistributedSampler``'s epoch, so under DDP the rest of the epoch is drawn from epoch
-0's permutation (torchdata's ``BatchSampler`` iterates the sampler eagerly). When
+0's permutation (torchdata's ``BatchSampler`` iterates the sampler eagerly). Under DDP, Lightning wraps a
+``StatefulDataLoader(shuffle=True)``'s own sampler in a ``DistributedSamplerWrapper``, whose inner random
+generator advances every epoch and is saved nowhere: a resume draws different samples (in every later epoch
+too); :func:`resumable_sampler` gives the loader torchdata's ``StatefulDistributedSampler`` instead. When
 ``trainer.estimated_stepping_batches`` is called before the restore (e.g. in ``configure_optimizers`` for an
 LR schedule), the loader state is not restored at all (Lightning issue 20550). :class:`ExactResume` closes
 these gaps.
@@ -12,16 +15,20 @@ these gaps.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import Dataset, Sampler, SequentialSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
 
 CHECKPOINT_KEY = "exact_resume"
 
@@ -58,9 +65,7 @@ class ExactResume(Callback):
         self._purge_pending = False
         self._purge_step: int | None = None
 
-    def on_save_checkpoint(
-        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         combined_loader = trainer.fit_loop._combined_loader
         local = {
             "rng": _rng_states_to_tensors(_collect_rng_states(include_cuda=torch.cuda.is_available())),
@@ -73,9 +78,7 @@ class ExactResume(Callback):
             per_rank = [local]
         checkpoint[CHECKPOINT_KEY] = {"world_size": len(per_rank), "per_rank": per_rank}
 
-    def on_load_checkpoint(
-        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is None:
             rank_zero_warn(
@@ -101,19 +104,22 @@ class ExactResume(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         fit_loop = trainer.fit_loop
         combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
-        if (
-            self._loader_states
-            and fit_loop.restarted_mid_epoch
-            and combined_loader is not None
-            and fetcher is not None
+        if combined_loader is not None and any(
+            isinstance(getattr(getattr(dl, "batch_sampler", None), "sampler", None), DistributedSamplerWrapper)
+            or isinstance(getattr(dl, "sampler", None), DistributedSamplerWrapper)
+            for dl in combined_loader.flattened
         ):
+            rank_zero_warn(
+                "Lightning wrapped a train sampler in DistributedSamplerWrapper, whose inner sampler's random "
+                "state is in no checkpoint: a resume will not draw the same samples. Give the train loader "
+                "`sampler=lit_ddp.callbacks.resumable_sampler(dataset)`."
+            )
+        if self._loader_states and fit_loop.restarted_mid_epoch and combined_loader is not None and fetcher is not None:
             for dl in combined_loader.flattened:
                 _set_sampler_epoch(dl, fit_loop.epoch_progress.current.processed)
             combined_loader._load_state_dicts(self._loader_states)
             fit_loop._combined_loader_states_to_load = []
-            iter(
-                fetcher
-            )  # a fresh iterator from the restored position (draws from the RNGs: before the restore)
+            iter(fetcher)  # a fresh iterator from the restored position (draws from the RNGs: before the restore)
         self._loader_states = None
         if self._purge_pending:
             self._purge_step = _first_logged_step(trainer)
@@ -123,9 +129,7 @@ class ExactResume(Callback):
             _set_rng_states(_rng_states_from_tensors(self._rng_states))
             self._rng_states = None
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._purge_step is not None:
             actual = trainer.fit_loop.epoch_loop._batches_that_stepped
             if actual != self._purge_step:
@@ -134,6 +138,31 @@ class ExactResume(Callback):
                     "some steps may show twice or be missing."
                 )
             self._purge_step = None
+
+
+def resumable_sampler(dataset: Dataset, shuffle: bool = True) -> Sampler:
+    """A train sampler whose shuffling and position a checkpoint restores exactly, with or without DDP.
+
+    Call it in ``train_dataloader`` (after Lightning has set up the process group) and pass it as the
+    ``sampler`` of a ``StatefulDataLoader``. Under DDP: torchdata's ``StatefulDistributedSampler`` (a
+    ``DistributedSampler``, so Lightning injects nothing), shuffled by ``(seed, epoch)`` with the seed of
+    ``seed_everything``; its position is part of the loader state. In one process: torchdata's
+    ``RandomSampler`` (what ``StatefulDataLoader(shuffle=True)`` uses), whose generator state is part of the
+    loader state; ``SequentialSampler`` when ``shuffle`` is false.
+
+    Args:
+        dataset: the map-style training dataset.
+        shuffle: draw a new permutation every epoch.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return StatefulDistributedSampler(
+            dataset,
+            num_replicas=dist.get_world_size(),
+            rank=dist.get_rank(),
+            shuffle=shuffle,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+        )
+    return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
 
 
 def _first_logged_step(trainer: Trainer) -> int:
