@@ -19,6 +19,8 @@ from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchmetrics import MeanSquaredError, R2Score
 
+from lit_ddp.callbacks import resumable_sampler
+
 
 class RegressionDataModule(LightningDataModule):
     """A seeded synthetic regression dataset, split into train and val.
@@ -89,10 +91,11 @@ class RegressionDataModule(LightningDataModule):
         self.val_set = TensorDataset(x[n_train:], y[n_train:])
 
     def train_dataloader(self) -> StatefulDataLoader:
+        # Shuffled, and resumable mid-epoch with or without DDP (Lightning's own DDP sampler is not).
         return StatefulDataLoader(
             self.train_set,
             batch_size=self.hparams.batch_size,
-            shuffle=True,
+            sampler=resumable_sampler(self.train_set),
             num_workers=self.hparams.num_workers,
         )
 
