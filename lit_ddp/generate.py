@@ -31,10 +31,8 @@ def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
         raise FileNotFoundError(f"--ckpt_path {path}: no such file")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means "not a loadable checkpoint"
-        raise ValueError(
-            f"--ckpt_path {path}: cannot be loaded with torch.load(weights_only=True): {e}"
-        ) from e
+    except Exception as e:  # any unpickling failure means "not a loadable checkpoint"
+        raise ValueError(f"--ckpt_path {path}: cannot be loaded with torch.load(weights_only=True): {e}") from e
     not_gpt = f"--ckpt_path {path} is not a minGPT checkpoint (from lit-ddp fit with GPTModule)"
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise ValueError(f"{not_gpt}: no state_dict")

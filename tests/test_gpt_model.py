@@ -74,7 +74,16 @@ def test_residual_projections_scaled() -> None:
     assert abs(model.transformer.h[0].attn.c_attn.weight.std().item() - 0.02) < 0.002
 
 
-def test_overfits_tiny_text() -> None:
+@pytest.fixture
+def one_thread():
+    """Small models train faster on one thread, and do not stall when other processes share the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_overfits_tiny_text(one_thread: None) -> None:
     text = "to be or not to be, that is the question. "
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text])
