@@ -1,14 +1,52 @@
-"""Reading a run's TensorBoard event files back, with tensorboard's own reader.
+"""TensorBoard: the run's logger, and reading its event files back with tensorboard's own reader.
 
-Used by the tests, the notebooks and the README's plot script. A run directory holds one TensorBoard log,
-continued across restarts, so all event files of the directory are read together.
+The readers are used by the tests, the notebooks and the README's plot script. A run directory holds one
+TensorBoard log, continued across restarts, so all event files of the directory are read together.
 """
 
 from __future__ import annotations
 
+from argparse import Namespace
 from pathlib import Path
+from typing import Any
 
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+
+class HParamsTensorBoardLogger(TensorBoardLogger):
+    """A TensorBoardLogger that also writes the hyperparameters into the event files (the HParams
+    dashboard), linked to the metrics ``hparams_metrics``.
+
+    Lightning's logger writes them there only together with metric values: with ``default_hp_metric=False``
+    and no values (as at the start of fit) the hyperparameters reach ``hparams.yaml`` alone. This logger
+    writes the HParams summaries with the metric *names* only, so no placeholder scalar (``hp_metric = -1``,
+    or a fake ``val/loss`` point at step 0) enters the curves.
+
+    Args:
+        hparams_metrics: scalar tags the HParams dashboard shows beside the hyperparameters.
+        **kwargs: passed to :class:`~lightning.pytorch.loggers.TensorBoardLogger`.
+    """
+
+    def __init__(self, *args: Any, hparams_metrics: tuple[str, ...] = ("val/loss",), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hparams_metrics = tuple(hparams_metrics)
+
+    @rank_zero_only
+    def log_hyperparams(
+        self, params: dict[str, Any] | Namespace, metrics: dict[str, Any] | None = None, step: int | None = None
+    ) -> None:
+        super().log_hyperparams(params, metrics, step)  # hparams.yaml (and the events when metrics are given)
+        if metrics is not None or self._default_hp_metric or not self.hparams_metrics:
+            return
+        flat = self._sanitize_params(_flatten_dict(_convert_params(params)))
+        writer = self.experiment._get_file_writer()
+        for summary in hparams_summaries(flat, dict.fromkeys(self.hparams_metrics, 0.0)):
+            writer.add_summary(summary, step)
+        writer.flush()
 
 
 def read_scalars(run_dir: str | Path, tag: str) -> list[tuple[int, float]]:
@@ -30,3 +68,46 @@ def scalar_tags(run_dir: str | Path) -> list[str]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return sorted(acc.Tags().get("scalars", []))
+
+
+def read_text(run_dir: str | Path, tag: str = "samples") -> list[tuple[int, str]]:
+    """All ``(step, text)`` entries of text summary ``tag`` (logged with ``add_text(tag, ...)``) in
+    ``run_dir``, by step.
+
+    Raises:
+        KeyError: ``tag`` was never logged as text in ``run_dir``; the message lists the tensor tags that were.
+    """
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    name = f"{tag}/text_summary"  # the tag torch's add_text writes under
+    tags = acc.Tags().get("tensors", [])
+    if name not in tags:
+        raise KeyError(f"text {tag!r} not logged in {run_dir}; tensor tags: {sorted(tags)}")
+    return sorted((e.step, e.tensor_proto.string_val[0].decode("utf-8")) for e in acc.Tensors(name))
+
+
+def read_hparams(run_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
+    """The hyperparameters in ``run_dir``'s event files (the HParams dashboard's data) and the metric tags
+    they are linked to. A log continued across restarts holds one set per launch; tensorboard's reader keeps
+    the first.
+
+    Raises:
+        KeyError: no hyperparameters were written to the event files of ``run_dir``.
+    """
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    try:
+        content = acc.PluginTagToContent("hparams")
+    except KeyError:
+        content = {}
+    if "_hparams_/session_start_info" not in content:
+        raise KeyError(f"no hyperparameters in the event files of {run_dir}")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    values = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.session_start_info.hparams.items()}
+    metrics: list[str] = []
+    if "_hparams_/experiment" in content:
+        experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+        metrics = [m.name.tag for m in experiment.metric_infos]
+    return values, metrics

@@ -1,0 +1,147 @@
+"""What the README says is logged is in the event files, read back with tensorboard's own reader
+(EventAccumulator) after tiny in-process runs, and a real ``tensorboard`` server serves the same values."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lit_ddp.cli import cli_main
+from lit_ddp.monitoring import read_hparams, read_scalars, read_text, scalar_tags
+from tests.helpers import REPO, free_port, kill_group, subprocess_env
+from tests.helpers_gpt import SHARED_TEXT, TINY_ARGS
+
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+# The exact scalar tags of one-process runs (the README's monitoring section lists them).
+REGRESSION_SCALARS = {"train/loss_step", "train/loss_epoch", "val/loss", "val/r2", "lr-SGD", "epoch"}
+GPT_SCALARS = {
+    "train/loss",
+    "val/loss",
+    "val/ppl",
+    "lr-AdamW/pg1",  # decayed parameters (Linear weights)
+    "lr-AdamW/pg2",  # not decayed (biases, LayerNorm, embeddings)
+    "epoch",
+    # ThroughputMonitor, per process; with DDP also train/{batches,samples,items,flops}_per_sec and train/mfu
+    "train/time",
+    "train/batches",
+    "train/samples",
+    "train/lengths",
+    "train/device/batches_per_sec",
+    "train/device/samples_per_sec",
+    "train/device/items_per_sec",
+    "train/device/flops_per_sec",
+    "train/device/mfu",
+}
+
+
+@pytest.fixture(scope="module")
+def regression_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("regression")
+    cli_main(
+        ["fit", "--config", str(REPO / "configs/regression/single_device.yaml"), *QUIET]
+        + ["--trainer.default_root_dir", str(root), "--trainer.max_epochs", "3", "--trainer.log_every_n_steps", "5"]
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mingpt")
+    text = SHARED_TEXT if SHARED_TEXT.exists() else os.environ.get("LIT_DDP_DATA")
+    if not text or not Path(text).is_file():
+        pytest.skip("no local Tiny Shakespeare (../shared/data or $LIT_DDP_DATA); tests never download")
+    cli_main(
+        ["fit", "--config", str(REPO / "configs/mingpt/cpu.yaml"), *TINY_ARGS, "--data.init_args.data", str(text)]
+        + ["--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.default_root_dir", str(root)]
+        + ["--trainer.max_steps", "30", "--trainer.val_check_interval", "10", "--trainer.limit_val_batches", "2"]
+        + ["--trainer.log_every_n_steps", "5"]
+    )
+    return root
+
+
+def test_regression_logs_losses_r2_lr_and_hparams(regression_run: Path) -> None:
+    assert set(scalar_tags(regression_run)) == REGRESSION_SCALARS
+    val_loss = read_scalars(regression_run, "val/loss")
+    assert len(val_loss) == 3  # one per epoch
+    assert val_loss[-1][1] < val_loss[0][1]
+    assert all(0.0 < r2 <= 1.0 for _, r2 in read_scalars(regression_run, "val/r2")[1:])
+    assert all(lr == pytest.approx(1e-3) for _, lr in read_scalars(regression_run, "lr-SGD"))
+    steps = [s for s, _ in read_scalars(regression_run, "train/loss_step")]
+    assert steps == sorted(steps) and len(steps) >= 3 * 56 // 5 - 1  # 56 steps per epoch, every 5th logged
+    hparams, metrics = read_hparams(regression_run)
+    assert hparams["learning_rate"] == pytest.approx(1e-3) and hparams["batch_size"] == 32  # model and data
+    assert metrics == ["val/loss"]
+
+
+@pytest.mark.slow
+def test_mingpt_logs_ppl_lr_throughput_text_and_hparams(gpt_run: Path) -> None:
+    assert set(scalar_tags(gpt_run)) == GPT_SCALARS
+    val_loss = read_scalars(gpt_run, "val/loss")
+    assert [s for s, _ in val_loss] == [9, 19, 29]  # Lightning logs at global_step - 1 inside the step
+    for (_, loss), (_, ppl) in zip(val_loss, read_scalars(gpt_run, "val/ppl"), strict=True):
+        assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
+    lrs = [lr for _, lr in read_scalars(gpt_run, "lr-AdamW/pg1")]
+    assert max(lrs) <= 3e-3 and lrs[0] < lrs[-1]  # warmup (cpu.yaml: 100 steps) towards 3e-3
+    assert all(v > 0 for _, v in read_scalars(gpt_run, "train/device/items_per_sec"))  # tokens/s
+    samples = read_text(gpt_run, "samples")
+    assert [s for s, _ in samples] == [10, 20, 30]  # global_step after the step
+    assert all(text.strip().startswith("O God, O God!") for _, text in samples)
+    hparams, metrics = read_hparams(gpt_run)
+    assert hparams["model_type"] == "gpt-nano" and hparams["n_embd"] == 16 and hparams["block_size"] == 16
+    assert metrics == ["val/loss"]
+
+
+def get_json(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tensorboard_server_serves_the_logged_val_loss(regression_run: Path) -> None:
+    """A real ``tensorboard`` process: its HTTP data API returns the val/loss points of the event files."""
+    exe = Path(sys.executable).with_name("tensorboard")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tensorboard.main"]
+    if shutil.which(cmd[0]) is None and not Path(cmd[0]).exists():
+        pytest.skip("tensorboard is not installed")
+    port = free_port()
+    proc = subprocess.Popen(
+        [*cmd, "--logdir", str(regression_run), "--host", "127.0.0.1", "--port", str(port)],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        runs: object = []
+        while not runs:  # up, and done loading the log
+            if proc.poll() is not None:
+                raise AssertionError(f"tensorboard exited with {proc.returncode}:\n{proc.stdout.read()}")
+            if time.monotonic() > deadline:
+                raise AssertionError("tensorboard did not serve any run within 90 s")
+            with contextlib.suppress(OSError):  # not listening yet
+                runs = get_json(f"{base}/data/runs")
+            if not runs:
+                time.sleep(0.5)
+        assert runs == ["."]  # the event files lie directly in the run directory
+        query = urllib.parse.urlencode({"run": runs[0], "tag": "val/loss"})
+        points = get_json(f"{base}/data/plugin/scalars/scalars?{query}")  # [[wall_time, step, value], ...]
+        assert [(step, value) for _, step, value in points] == read_scalars(regression_run, "val/loss")
+    finally:
+        kill_group(proc)
+        proc.wait(10)
