@@ -37,9 +37,7 @@ class KillAtSteps(Callback):
     def __init__(self, steps: list[int], state_dir: str, rank: int = 0) -> None:
         self.steps, self.state_dir, self.rank = list(steps), state_dir, rank
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         i = _attempt(self.state_dir)
         if trainer.global_rank == self.rank and i < len(self.steps) and trainer.global_step == self.steps[i]:
             _mark(self.state_dir, f"killed_{i}", str(trainer.global_step))
@@ -61,9 +59,7 @@ class PauseAtSteps(Callback):
     def __init__(self, steps: list[int], state_dir: str, rank: int = 1, max_wait: float = 120.0) -> None:
         self.steps, self.state_dir, self.rank, self.max_wait = list(steps), state_dir, rank, max_wait
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         i = _attempt(self.state_dir)
         if trainer.global_rank == self.rank and i < len(self.steps) and trainer.global_step == self.steps[i]:
             _mark(self.state_dir, f"paused_{i}", f"{os.getpid()} {trainer.global_step}")
@@ -102,3 +98,19 @@ class RecordFinal(Callback):
             "params": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
         }
         torch.save(record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def tensorboard_steps(run_dir: str | Path) -> dict[str, list[int]]:
+    """Every scalar tag of a run directory and the steps it was logged at, as TensorBoard shows them
+    (orphaned points of a killed run purged), in file order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def load_records(out_dir: str | Path) -> list[dict]:
+    """The ``RecordFinal`` files of a run, by rank."""
+    files = sorted(Path(out_dir).glob("rank*.pt"))
+    return [torch.load(f, weights_only=False) for f in files]

@@ -1,0 +1,218 @@
+"""Fault tolerance end to end: runs killed mid-epoch and resumed end bit-identical to uninterrupted runs.
+
+Every run is the real CLI in a subprocess (``python -m lit_ddp`` or ``torchrun ... -m lit_ddp``); the kill
+schedule and the records come from ``tests.helpers_ft`` callbacks added through a YAML fragment. Sizes are
+tiny: a few epochs of a few steps, so that kills land mid-epoch and across epoch boundaries.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, SHARED_TEXT, kill_group, lit_ddp, run, subprocess_env, write_callbacks_config
+from tests.helpers_ft import load_records, tensorboard_steps
+
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+# torch's c10d rendezvous shares one TCPStore across restarts, and the restarted workers read the killed
+# workers' addresses from it (pytorch/pytorch#135712): gloo then fails to connect. Off, each round has its own.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def regression_args(steps: int, every: int) -> list[str]:
+    # 288 samples: 252 train, 8 batches of 32 per epoch in one process, 4 per rank in two.
+    return [
+        "--config", str(REPO / "configs/regression/fault_tolerant.yaml"),
+        "--data.num_samples", "288",
+        "--trainer.max_epochs", "-1",
+        "--trainer.max_steps", str(steps),
+        "--checkpoint.every_n_train_steps", str(every),
+        "--trainer.log_every_n_steps", "1",
+        *QUIET,
+    ]  # fmt: skip
+
+
+def mingpt_args(steps: int, every: int, text: Path) -> list[str]:
+    return [
+        "--config", str(REPO / "configs/mingpt/fault_tolerant.yaml"),
+        "--data.data", str(text),
+        "--data.block_size", "16",
+        "--data.batch_size", "8",
+        "--model.warmup_steps", "2",
+        "--model.sample_tokens", "0",
+        "--model.sample_prompt", "First",
+        "--trainer.max_steps", str(steps),
+        "--trainer.val_check_interval", "5",
+        "--trainer.limit_val_batches", "2",
+        "--checkpoint.every_n_train_steps", str(every),
+        "--trainer.log_every_n_steps", "1",
+        *QUIET,
+    ]  # fmt: skip
+
+
+def one_process(args: list[str]) -> list[str]:
+    return [*args, "--trainer.devices", "1", "--trainer.strategy", "auto"]
+
+
+@pytest.fixture
+def tiny_text(tmp_path: Path) -> Path:
+    if not SHARED_TEXT.exists():
+        pytest.skip(f"{SHARED_TEXT} is missing")
+    path = tmp_path / "tiny.txt"
+    path.write_text(SHARED_TEXT.read_text()[:6000])
+    return path
+
+
+def callbacks(tmp: Path, name: str, *extra: tuple[str, dict]) -> tuple[Path, Path]:
+    """A YAML fragment with RecordFinal into ``tmp/name/rec`` plus ``extra``; returns (fragment, record dir)."""
+    rec = tmp / name / "rec"
+    frag = write_callbacks_config(tmp / f"{name}.yaml", ("tests.helpers_ft.RecordFinal", {"out_dir": str(rec)}), *extra)
+    return frag, rec
+
+
+def assert_same_params(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) and a
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["global_step"] == rb["global_step"]
+        for name, tensor in rb["params"].items():
+            assert torch.equal(ra["params"][name], tensor), f"parameter {name} differs"
+
+
+def assert_same_tensorboard(resumed: Path, reference: Path) -> None:
+    """Every scalar tag at the same steps, each once, as in the uninterrupted run."""
+    got, want = tensorboard_steps(resumed), tensorboard_steps(reference)
+    assert got.keys() == want.keys()
+    # ThroughputMonitor logs its validate/* points against its own per-process counter, not the global step.
+    for tag in [t for t in want if not t.startswith("validate/")]:
+        assert sorted(got[tag]) == sorted(want[tag]), tag
+    loss_tag = "train/loss_step" if "train/loss_step" in got else "train/loss"
+    assert got[loss_tag] == sorted(set(got[loss_tag])), "train loss steps strictly increasing, no duplicates"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("task", ["regression", "mingpt"])
+def test_one_process_resume_is_exact(task: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Killed twice (SIGKILL, mid-epoch) and re-run with the same command: same parameters, same TensorBoard
+    steps as the uninterrupted run. The second resume also meets a truncated last.ckpt and falls back."""
+    if task == "regression":
+        args, kills = one_process(regression_args(20, 4)), [5, 10]
+    else:
+        text = request.getfixturevalue("tiny_text")
+        # mingpt: asynchronous saves, to show they are as exact.
+        args = one_process(mingpt_args(14, 4, text))
+        args += ["--trainer.plugins", "lit_ddp.checkpointing.AsyncAtomicCheckpointIO"]
+        kills = [6, 11]
+    ref_cb, ref_rec = callbacks(tmp_path, "ref")
+    out = run(lit_ddp("fit", *args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref")), 120)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+    state = tmp_path / "state"
+    cb, rec = callbacks(tmp_path, "ft", ("tests.helpers_ft.KillAtSteps", {"steps": kills, "state_dir": str(state)}))
+    root = tmp_path / "run"
+    cmd = lit_ddp("fit", *args, "--config", str(cb), "--trainer.default_root_dir", str(root))
+    for attempt in range(len(kills) + 1):
+        if attempt == 2:  # a kill while writing last.ckpt, as far as a reader can tell
+            last = root / "checkpoints" / "last.ckpt"
+            last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+        out = run(cmd, 120)
+        if attempt < len(kills):
+            assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
+        else:
+            assert out.returncode == 0, out.stdout[-3000:]
+    assert "last.ckpt is truncated or unreadable" in out.stdout
+    [final], [reference] = load_records(rec), load_records(ref_rec)
+    assert_same_params([final], [reference])
+    assert final["start_step"] == 8  # the last resume: checkpoint at step 8, below the kill at 10/11
+    assert final["optimizer_steps"] == reference["global_step"] - final["start_step"]
+    assert_same_tensorboard(root, tmp_path / "ref")
+    assert not list(root.glob("version_*"))
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--max-restarts", "3", "--monitor-interval", "0.2", "-m", "lit_ddp", "fit", *args]  # fmt: skip
+
+
+def run_killing(cmd: list[str], state: Path, n_kills: int, timeout: float) -> subprocess.CompletedProcess:
+    """Runs ``cmd``; each time a worker pauses (``PauseAtSteps``), SIGKILLs it from here. Returns when
+    ``cmd`` ends; every process of its group is killed in any case."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=subprocess_env(**TORCHRUN_ENV), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    log = state / "log.txt"
+    deadline = time.monotonic() + timeout
+    try:
+        for i in range(n_kills):
+            paused = state / f"paused_{i}"
+            while not paused.exists():
+                assert proc.poll() is None, "torchrun ended before the kill"
+                assert time.monotonic() < deadline, f"no worker paused for kill {i}"
+                time.sleep(0.1)
+            pid = int(paused.read_text().split()[0])
+            (state / f"killed_{i}").write_text("")
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun did not finish; output:\n{out[-5000:]}") from None
+    finally:
+        kill_group(proc)
+    log.write_text(out)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "task",
+    [
+        "regression",
+        pytest.param(
+            "mingpt",
+            marks=pytest.mark.xfail(
+                reason="CharDataModule.train_dataloader uses shuffle=True: under DDP Lightning wraps its sampler in "
+                "DistributedSamplerWrapper, whose shuffling state no checkpoint holds; it needs "
+                "sampler=lit_ddp.callbacks.resumable_sampler(self.train_set)",
+                strict=False,
+            ),
+        ),
+    ],
+)
+def test_torchrun_restarts_are_exact(task: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """torchrun --max-restarts 3, rank 1 SIGKILLed by the test at two different steps (mid-epoch, after a
+    checkpoint): the group restarts, resumes and ends bit-identical to an uninterrupted torchrun run."""
+    if task == "regression":
+        args, kills, resumed_at = regression_args(14, 3), [7, 11], 9  # 4 steps per epoch per rank
+    else:
+        args, kills, resumed_at = mingpt_args(12, 3, request.getfixturevalue("tiny_text")), [5, 10], 9
+    ref_cb, ref_rec = callbacks(tmp_path, "ref")
+    out = run(torchrun(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref")), 150,
+              **TORCHRUN_ENV)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:]
+
+    state = tmp_path / "state"
+    state.mkdir()
+    cb, rec = callbacks(
+        tmp_path, "ft", ("tests.helpers_ft.PauseAtSteps", {"steps": kills, "state_dir": str(state), "rank": 1})
+    )
+    root = tmp_path / "run"
+    out = run_killing(torchrun(*args, "--config", str(cb), "--trainer.default_root_dir", str(root)), state, 2, 240)
+    assert out.returncode == 0, out.stdout[-5000:]
+    assert out.stdout.count("Resuming from") == 2  # two restarts (rank zero says it)
+    final, reference = load_records(rec), load_records(ref_rec)
+    assert_same_params(final, reference)
+    for r in final:
+        assert r["start_step"] == resumed_at
+        assert r["optimizer_steps"] == reference[0]["global_step"] - resumed_at
+    assert_same_tensorboard(root, tmp_path / "ref")
