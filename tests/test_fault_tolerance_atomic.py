@@ -1,0 +1,173 @@
+"""Atomic checkpoint writes, and what resume does with corrupt checkpoints.
+
+Lightning's ``_atomic_save`` is atomic only when ``$TMPDIR`` shares a filesystem with the checkpoint: the
+first test shows a kill during its cross-filesystem copy destroying the previous checkpoint. Our
+``AtomicCheckpointIO`` writes beside the target and renames; a process SIGKILLed while writing (a real race,
+several times) leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_ddp.checkpointing import (
+    AtomicCheckpointIO,
+    NoValidCheckpointError,
+    find_resume_checkpoint,
+    is_valid_checkpoint,
+)
+from lit_ddp.cli import cli_main
+from tests.helpers import REPO, kill_group, subprocess_env
+
+OTHER_FS = Path("/dev/shm")
+
+
+def other_filesystem(path: Path) -> bool:
+    return OTHER_FS.is_dir() and os.access(OTHER_FS, os.W_OK) and os.stat(OTHER_FS).st_dev != os.stat(path).st_dev
+
+
+def start(code: str, tmp: Path) -> subprocess.Popen:
+    """``python -c code`` with ``$TMPDIR`` on another filesystem than ``tmp`` (when there is one)."""
+    env = subprocess_env(TMPDIR=str(OTHER_FS) if other_filesystem(tmp) else str(tmp))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_lightning_default_save_is_not_atomic_across_filesystems(tmp_path: Path) -> None:
+    """Lightning's fsspec transaction: temp file in $TMPDIR, then shutil.move = a copy onto the target when
+    $TMPDIR is another filesystem. Killed during that copy, the previous checkpoint is gone."""
+    if not other_filesystem(tmp_path):
+        pytest.skip(f"{OTHER_FS} is not a separate writable filesystem here")
+    path = tmp_path / "last.ckpt"
+    code = f"""
+        import os, signal, torch
+        from lightning.fabric.utilities.cloud_io import _atomic_save
+        _atomic_save({{"w": torch.zeros(10)}}, {str(path)!r})  # the previous, good checkpoint
+        real = os.sendfile
+        def sendfile_then_die(out_fd, in_fd, offset, count):  # the kill lands inside the copy
+            real(out_fd, in_fd, offset, min(count, 4096))
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.sendfile = sendfile_then_die
+        _atomic_save({{"w": torch.ones(1_000_000)}}, {str(path)!r})
+    """
+    proc = start(code, tmp_path)
+    try:
+        out, _ = proc.communicate(timeout=50)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert not is_valid_checkpoint(str(path))
+    with pytest.raises(Exception):  # noqa: B017 - any failure to read is the point
+        torch.load(path, weights_only=True)
+
+
+@pytest.mark.timeout(120)
+def test_atomic_io_survives_kill_while_writing(tmp_path: Path) -> None:
+    """A process saving big checkpoints in a loop, SIGKILLed while its temporary file is being written (three
+    times): last.ckpt is always the complete previous checkpoint; the next save clears the leftovers."""
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    ready = tmp_path / "ready"
+    code = f"""
+        import os, torch
+        from lit_ddp.checkpointing import AtomicCheckpointIO
+        io = AtomicCheckpointIO()
+        if not os.path.exists({str(path)!r}):
+            io.save_checkpoint({{"w": torch.zeros(10), "n": -1}}, {str(path)!r})
+        open({str(ready)!r}, "w").close()
+        big = torch.randn(8_000_000)  # 32 MB per save
+        n = 0
+        while True:
+            n += 1
+            io.save_checkpoint({{"w": big, "n": n}}, {str(path)!r})
+    """
+    kills_mid_write = 0
+    for _ in range(3):
+        ready.unlink(missing_ok=True)
+        proc = start(code, tmp_path)
+        try:
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                assert proc.poll() is None, proc.communicate()[0]
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            while True:  # wait until a temporary file is partly written, then kill
+                partial = [p for p in path.parent.glob(".last.ckpt.*.tmp") if 0 < p.stat().st_size < 32_000_000]
+                if partial:
+                    break
+                assert time.monotonic() < deadline, "never saw a partial temporary file"
+                time.sleep(0.001)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        finally:
+            kill_group(proc)
+        leftovers = list(path.parent.glob(".last.ckpt.*.tmp"))
+        kills_mid_write += bool(leftovers)
+        assert is_valid_checkpoint(str(path))
+        assert "w" in torch.load(path, weights_only=True)
+        assert [p.name for p in path.parent.glob("*.ckpt")] == ["last.ckpt"]
+    assert kills_mid_write >= 1
+    AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(1)}, str(path))
+    assert not list(path.parent.glob(".last.ckpt.*.tmp"))
+    assert torch.load(path, weights_only=True)["w"].shape == (1,)
+
+
+def _ckpt(path: Path, mtime: float, valid: bool = True) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": int(mtime)}, path)
+    if not valid:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_truncated_last_falls_back_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpts = tmp_path / "checkpoints"
+    _ckpt(ckpts / "epoch=0-step=4.ckpt", 1000)
+    good = _ckpt(ckpts / "epoch=0-step=8.ckpt", 2000)
+    _ckpt(ckpts / "last.ckpt", 3000, valid=False)
+    with caplog.at_level(logging.WARNING):
+        assert find_resume_checkpoint(str(tmp_path)) == str(good)
+    assert str(ckpts / "last.ckpt") in caplog.text
+
+
+def test_no_checkpoints_means_fresh_start(tmp_path: Path) -> None:
+    assert find_resume_checkpoint(str(tmp_path)) is None
+
+
+def test_garbage_only_is_a_clear_error(tmp_path: Path) -> None:
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    (ckpts / "last.ckpt").write_bytes(b"not a checkpoint")
+    _ckpt(ckpts / "epoch=0-step=4.ckpt", 1000, valid=False)
+    with pytest.raises(NoValidCheckpointError, match=r"None of the 2 checkpoint\(s\).*--ckpt_path"):
+        find_resume_checkpoint(str(tmp_path))
+
+
+@pytest.mark.timeout(120)
+def test_cli_refuses_to_start_over_garbage(tmp_path: Path) -> None:
+    """``fit`` on a run directory holding only unreadable checkpoints stops instead of training from scratch."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"\0" * 100)
+    args = ["fit", "--config", str(REPO / "configs/regression/fault_tolerant.yaml"), "--trainer.devices", "1"]
+    args += ["--trainer.strategy", "auto", "--trainer.default_root_dir", str(tmp_path)]
+    with pytest.raises(NoValidCheckpointError, match="last.ckpt"):
+        cli_main(args)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["last.ckpt"]
