@@ -22,12 +22,12 @@ train: venv
 	$(if $(DATA),LIT_DDP_DATA="$(DATA)") $(BIN)/lit-ddp fit --config $(CONFIG) $(ARGS)
 
 lint: venv
-	$(BIN)/ruff check lit_ddp tests bench
-	$(BIN)/ruff format --check lit_ddp tests bench
+	$(BIN)/ruff check lit_ddp tests bench scripts
+	$(BIN)/ruff format --check lit_ddp tests bench scripts
 
 format: venv
-	$(BIN)/ruff format lit_ddp tests bench
-	$(BIN)/ruff check --fix lit_ddp tests bench
+	$(BIN)/ruff format lit_ddp tests bench scripts
+	$(BIN)/ruff check --fix lit_ddp tests bench scripts
 
 # The whole suite: lint, fast tests, then slow and multi-process ones (Slurm tests skip unless the
 # local cluster runs: `slurm/local_cluster.sh start`).

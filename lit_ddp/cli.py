@@ -20,12 +20,12 @@ from typing import Any
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp.callbacks import ExactResume, PeriodicCheckpoint
 from lit_ddp.checkpointing import find_resume_checkpoint
 from lit_ddp.launch import enforce_launch
+from lit_ddp.monitoring import HParamsTensorBoardLogger
 
 DEFAULT_ROOT_DIR = "runs/default"
 DEFAULT_SEED = 1337
@@ -47,7 +47,8 @@ class LitDDPCLI(LightningCLI):
     - ``lr_monitor.*`` configures a LearningRateMonitor.
     - ``exact_resume.*`` configures :class:`~lit_ddp.callbacks.ExactResume` (RNG and loader states per rank).
     - The logger defaults to a TensorBoardLogger writing straight into ``trainer.default_root_dir``
-      (no ``version_N`` folders), so a restart continues the same log.
+      (no ``version_N`` folders), so a restart continues the same log; hyperparameters go into the event
+      files too (:class:`~lit_ddp.monitoring.HParamsTensorBoardLogger`).
     - ``fit`` without ``--ckpt_path`` resumes from the newest valid checkpoint of the run directory.
     """
 
@@ -86,7 +87,7 @@ class LitDDPCLI(LightningCLI):
         trainer_config = self._get(self.config_init, "trainer", default={})
         logger = trainer_config.get("logger")
         if logger is None or logger is True:
-            kwargs["logger"] = TensorBoardLogger(
+            kwargs["logger"] = HParamsTensorBoardLogger(
                 save_dir=str(trainer_config.get("default_root_dir") or DEFAULT_ROOT_DIR),
                 name="",
                 version="",
@@ -130,4 +131,10 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
         generate_main(argv[1:])
         return None
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    return LitDDPCLI(args=argv)
+    # args=None lets LightningCLI read sys.argv itself (passing both makes it warn).
+    return LitDDPCLI(args=None if args is None else argv)
+
+
+def main() -> None:
+    """The ``lit-ddp`` console script: :func:`cli_main`, returning nothing (so the exit status is 0)."""
+    cli_main()
