@@ -1,0 +1,110 @@
+"""A run directory in S3 (``s3://bucket/run``) through fsspec/s3fs, against moto's S3 server on 127.0.0.1:
+checkpoints and logs are written there, listed, validated, and a killed run resumes from them exactly."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_ddp.checkpointing import checkpoint_candidates, find_resume_checkpoint, is_valid_checkpoint, write_atomic
+from tests.helpers import free_port, kill_group, lit_ddp, run
+from tests.helpers_ft import load_records
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """moto's S3 server on a free local port with a bucket ``ftbucket``; the environment that points boto at it."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
+                time.sleep(0.1)
+        endpoint = f"http://127.0.0.1:{port}"
+        env = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,  # boto3 / aiobotocore (s3fs)
+            "S3_ENDPOINT": endpoint,  # tensorboard's own S3 writer
+        }
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("ftbucket")
+        yield env
+    finally:
+        kill_group(proc)
+        proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_s3_run_directory_resumes(s3_env: dict[str, str], tmp_path: Path) -> None:
+    args = [
+        "fit", "--config", "configs/regression/fault_tolerant.yaml",
+        "--trainer.devices", "1", "--trainer.strategy", "auto",
+        "--trainer.max_steps", "8", "--trainer.max_epochs", "-1", "--data.num_samples", "288",
+        "--checkpoint.every_n_train_steps", "3", *QUIET,
+    ]  # fmt: skip
+    ref = tmp_path / "ref.yaml"
+    ref.write_text(f"trainer:\n  callbacks:\n  - class_path: tests.helpers_ft.RecordFinal\n"
+                   f"    init_args: {{out_dir: {tmp_path / 'ref'}}}\n")  # fmt: skip
+    out = run(lit_ddp(*args, "--config", str(ref), "--trainer.default_root_dir", str(tmp_path / "local")), 120)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+    cb = tmp_path / "cb.yaml"
+    cb.write_text(
+        "trainer:\n  callbacks:\n"
+        f"  - class_path: tests.helpers_ft.RecordFinal\n    init_args: {{out_dir: {tmp_path / 'rec'}}}\n"
+        f"  - class_path: tests.helpers_ft.KillAtSteps\n    init_args: {{steps: [5], state_dir: {tmp_path / 's'}}}\n"
+    )
+    cmd = lit_ddp(*args, "--config", str(cb), "--trainer.default_root_dir", "s3://ftbucket/run")
+    out = run(cmd, 120, **s3_env)
+    assert out.returncode < 0, out.stdout[-3000:]  # killed at step 5
+
+    # Listed and validated through fsspec: newest first, last.ckpt on equal times.
+    candidates = checkpoint_candidates("s3://ftbucket/run")
+    assert {c.rsplit("/", 1)[-1] for c in candidates} == {"epoch=0-step=3.ckpt", "last.ckpt"}
+    assert all(c.startswith("s3://ftbucket/run/checkpoints/") and is_valid_checkpoint(c) for c in candidates)
+    # A truncated newest object is skipped (written atomically itself: one PUT).
+    write_atomic("s3://ftbucket/run/checkpoints/epoch=9-step=99.ckpt", b"PK\x03\x04 truncated")
+    assert find_resume_checkpoint("s3://ftbucket/run").rsplit("/", 1)[-1] in {"last.ckpt", "epoch=0-step=3.ckpt"}
+    import s3fs
+
+    s3fs.S3FileSystem().rm("ftbucket/run/checkpoints/epoch=9-step=99.ckpt")
+
+    out = run(cmd, 120, **s3_env)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "Resuming from s3://ftbucket/run/checkpoints/" in out.stdout
+    [final], [reference] = load_records(tmp_path / "rec"), load_records(tmp_path / "ref")
+    assert final["start_step"] == 3 and final["optimizer_steps"] == 5
+    for name, tensor in reference["params"].items():
+        assert torch.equal(final["params"][name], tensor), name
+    files = {p.rsplit("/", 1)[-1] for p in s3fs.S3FileSystem().find("ftbucket/run")}
+    assert {"config.yaml", "last.ckpt", "epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt"} <= files
+    assert sum(f.startswith("events.out.tfevents") for f in files) == 2  # one log, continued
