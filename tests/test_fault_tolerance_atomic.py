@@ -26,8 +26,7 @@ from lit_ddp.checkpointing import (
     find_resume_checkpoint,
     is_valid_checkpoint,
 )
-from lit_ddp.cli import cli_main
-from tests.helpers import REPO, kill_group, subprocess_env
+from tests.helpers import REPO, kill_group, lit_ddp, run, subprocess_env
 
 OTHER_FS = Path("/dev/shm")
 
@@ -168,6 +167,8 @@ def test_cli_refuses_to_start_over_garbage(tmp_path: Path) -> None:
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"\0" * 100)
     args = ["fit", "--config", str(REPO / "configs/regression/fault_tolerant.yaml"), "--trainer.devices", "1"]
     args += ["--trainer.strategy", "auto", "--trainer.default_root_dir", str(tmp_path)]
-    with pytest.raises(NoValidCheckpointError, match="last.ckpt"):
-        cli_main(args)
+    out = run(lit_ddp(*args), 100)
+    assert out.returncode != 0
+    assert "None of the 1 checkpoint(s)" in out.stdout and "last.ckpt" in out.stdout, out.stdout[-3000:]
+    assert "Epoch 0" not in out.stdout and not list(tmp_path.glob("events.out.*"))  # nothing trained
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["last.ckpt"]
