@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp.callbacks import ExactResume, PeriodicCheckpoint
 from lit_ddp.checkpointing import find_resume_checkpoint
+from lit_ddp.errors import FiniteLossGuard, check_ckpt_path, check_master_port, check_trainer, report
 from lit_ddp.launch import enforce_launch
 from lit_ddp.monitoring import HParamsTensorBoardLogger
 
@@ -58,6 +59,8 @@ class LitDDPCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
+        # A NaN/inf loss stops training with a message naming the step; the last good checkpoint is kept.
+        kwargs.setdefault("trainer_defaults", {"callbacks": [FiniteLossGuard()]})
         super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -78,10 +81,20 @@ class LitDDPCLI(LightningCLI):
         # Facts the data decides reach the model through links (skipped when a class lacks the argument).
         parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads --ckpt_path's hyperparameters here, before any hook: check the file first.
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            check_ckpt_path(self.config[subcommand].get("ckpt_path"))
+        super()._parse_ckpt_path()
+
     def before_instantiate_classes(self) -> None:
         # Slurm / torchrun mis-launches: one clear message and exit 2 before anything starts (lit_ddp.launch).
         config = self.config[self.subcommand] if self.subcommand else self.config
         enforce_launch(config.get("trainer"))
+        # Devices / precision this machine cannot run, a busy MASTER_PORT: before any process starts.
+        check_trainer(config.get("trainer"))
+        check_master_port()
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
@@ -97,6 +110,7 @@ class LitDDPCLI(LightningCLI):
 
     def before_fit(self) -> None:
         config = self.config_init[self.subcommand]
+        check_ckpt_path(config.get("ckpt_path"))
         if config.get("ckpt_path") is None:
             root = self.trainer.default_root_dir
             ckpt = find_resume_checkpoint(root, checkpoint_dir(root))
@@ -132,7 +146,7 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
         return None
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # args=None lets LightningCLI read sys.argv itself (passing both makes it warn).
-    return LitDDPCLI(args=None if args is None else argv)
+    return report(lambda: LitDDPCLI(args=None if args is None else argv))
 
 
 def main() -> None:

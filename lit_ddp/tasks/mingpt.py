@@ -214,6 +214,9 @@ class CharDataModule(LightningDataModule):
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be >= 0")
         self.save_hyperparameters()
+        # A missing local file is reported now, before any DDP process is launched (reading waits for setup).
+        if not is_url(self.source) and not Path(os.path.expanduser(self.source)).is_file():
+            raise FileNotFoundError(f"data file {self.source} does not exist (set data, ${DATA_ENV} or DATA=...)")
         self.vocab: str | None = None
         self.train_set: CharWindows | None = None
         self.val_set: CharWindows | None = None
@@ -247,11 +250,20 @@ class CharDataModule(LightningDataModule):
         if self.train_set is not None:
             return
         hp = self.hparams
-        text = self.local_path().read_text(encoding="utf-8")
+        path = self.local_path()
+        text = path.read_text(encoding="utf-8")
+        if not text:
+            raise ValueError(f"data file {path} is empty; give a text file with at least a few thousand characters")
         self.vocab = build_vocab(text)  # of the whole text: truncate never shrinks what a prompt may use
         text = text[: int(len(text) * hp.truncate)]
         data = encode(text, self.vocab)
         n_train = int(data.numel() * hp.train_split)
+        if data.numel() - n_train <= hp.block_size:
+            raise ValueError(
+                f"block_size={hp.block_size} is at least as long as the validation split ({data.numel() - n_train} "
+                f"characters of {path} with truncate={hp.truncate}, train_split={hp.train_split}); use "
+                f"block_size < {data.numel() - n_train}, more text or a larger truncate"
+            )
         self.train_set = CharWindows(data[:n_train], hp.block_size, stride=1)
         self.val_set = CharWindows(data[n_train:], hp.block_size, stride=hp.block_size)
 
