@@ -124,7 +124,9 @@ def test_source_precedence(monkeypatch: pytest.MonkeyPatch, text_file: Path) -> 
     monkeypatch.setenv(DATA_ENV, str(text_file))
     dm = CharDataModule()
     assert dm.source == str(text_file) and dm.expected_sha256 is None
-    assert CharDataModule(data="other.txt").source == "other.txt"
+    other = text_file.with_name("other.txt")
+    other.write_text("other text")
+    assert CharDataModule(data=str(other)).source == str(other)
 
 
 def test_url_downloaded_once_and_verified(tmp_path: Path, text_file: Path) -> None:
