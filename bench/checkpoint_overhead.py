@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     base_blocked = statistics.median(x["blocked"] for x in results["none"])
     print(f"minGPT CPU config, 1 process, {ns.steps} steps, checkpoint every {ns.every} steps "
           f"(+ last.ckpt, {ckpt_size / 1e6:.2f} MB each), median of {ns.rounds} rounds, order rotated")  # fmt: skip
+    nones = [x["train"] for x in results["none"]]
+    print(f"machine noise: the no-checkpoint runs took {min(nones):.1f}-{max(nones):.1f} s; a 'vs none' smaller "
+          "than that spread means nothing, 'blocked' is the direct, robust measure")  # fmt: skip
     print(f"{'variant':>8} {'train s':>8} {'saves':>6} {'blocked s':>10} {'blocked %':>10} {'vs none %':>10}")
     for name, runs in results.items():
         train = statistics.median(x["train"] for x in runs)
