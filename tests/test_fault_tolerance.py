@@ -178,15 +178,7 @@ def run_killing(cmd: list[str], state: Path, n_kills: int, timeout: float) -> su
     "task",
     [
         "regression",
-        pytest.param(
-            "mingpt",
-            marks=pytest.mark.xfail(
-                reason="CharDataModule.train_dataloader uses shuffle=True: under DDP Lightning wraps its sampler in "
-                "DistributedSamplerWrapper, whose shuffling state no checkpoint holds; it needs "
-                "sampler=lit_ddp.callbacks.resumable_sampler(self.train_set)",
-                strict=False,
-            ),
-        ),
+        "mingpt",
     ],
 )
 def test_torchrun_restarts_are_exact(task: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:

@@ -20,7 +20,9 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summa
 
 def initial_val_loss(config: Path, root: Path) -> float:
     """val/loss of the untrained model (same seed, so the same initial weights as the fit)."""
-    cli = cli_main(["validate", "--config", str(config), "--trainer.default_root_dir", str(root), *QUIET])
+    # One in-process device: a DDP strategy here would relaunch sys.argv, i.e. pytest, as rank 1.
+    one = ["--trainer.devices", "1", "--trainer.strategy", "auto"]
+    cli = cli_main(["validate", "--config", str(config), "--trainer.default_root_dir", str(root), *one, *QUIET])
     return float(cli.trainer.callback_metrics["val/loss"])
 
 

@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchmetrics import MeanMetric
 
+from lit_ddp.callbacks import resumable_sampler
 from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, adamw_param_groups
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -278,7 +279,8 @@ class CharDataModule(LightningDataModule):
         return StatefulDataLoader(
             self.train_set,
             batch_size=self.hparams.batch_size,
-            shuffle=True,
+            # Resumable shuffling under DDP too (Lightning's DistributedSamplerWrapper loses its state).
+            sampler=resumable_sampler(self.train_set),
             drop_last=True,
             num_workers=self.hparams.num_workers,
         )
