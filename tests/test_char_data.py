@@ -22,7 +22,7 @@ from lit_ddp.tasks.mingpt import (
 )
 from tests.helpers_gpt import SHARED_TEXT
 
-TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
+TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 Source: pytorch/examples ``distributed/ddp-tutorial-series`` (``single_gpu.py``, ``multigpu.py``,
 ``multigpu_torchrun.py``, ``multinode.py``, ``datautils.py``).
 
-The tutorial trains ``Linear(20, 1)`` with ``F.cross_entropy``. On a single output column the softmax is
+The tutorial trains ``Linear(20, 1)`` with ``torch.nn.functional.cross_entropy``. On a single output column the softmax is
 identically 1, so that loss is constantly 0 and the model never learns. Here the loss is the mean squared
 error, and by default the targets are a fixed random linear map of the inputs plus small noise, so that
 learning is measurable (the tutorial's purely random targets remain available as ``random_targets``).
