@@ -47,7 +47,7 @@ def check_trainer(trainer: Any, cpu_count: int | None = None, cuda_available: bo
     """
     if trainer is None:
         return
-    cpu_count = os.cpu_count() or 1 if cpu_count is None else cpu_count
+    cpu_count = (os.cpu_count() or 1) if cpu_count is None else cpu_count
     cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
     accelerator = str(_get(trainer, "accelerator", "auto") or "auto").lower()
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda_available)

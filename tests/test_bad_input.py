@@ -161,3 +161,14 @@ def test_generate_errors(tmp_path: Path) -> None:
     assert out.returncode != 0 and "not a minGPT checkpoint" in out.stdout, out.stdout[-2000:]
     out = run(lit_ddp("generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "-1"), timeout=60)
     assert out.returncode == 2 and "--max_new_tokens=-1" in out.stdout, out.stdout[-2000:]
+
+
+def test_check_trainer_uses_the_given_machine() -> None:
+    from lit_ddp.errors import UsageError, check_trainer
+
+    check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=8, cuda_available=False)
+    with pytest.raises(UsageError, match="trainer.devices=8 but this machine has 4 CPU core"):
+        check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=4, cuda_available=False)
+    with pytest.raises(UsageError, match="bf16-mixed"):
+        check_trainer({"accelerator": "auto", "precision": "16-mixed"}, cpu_count=4, cuda_available=False)
+    check_trainer({"accelerator": "auto", "devices": 8, "precision": "16-mixed"}, cpu_count=4, cuda_available=True)
