@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # torch is pinned and installed first: an unpinned torch pulls several GB of CUDA wheels.
 TORCH_VERSION ?= 2.13.0
-CONFIG ?= configs/mingpt/cpu.yaml
+# `make train` composes these configs in order (DDP fragment, then the step config).
+CONFIGS ?= configs/trainer/ddp.yaml configs/mingpt/cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: venv train test test-fast lint format bench clean
@@ -19,7 +20,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 train: venv
-	$(if $(DATA),LIT_DDP_DATA="$(DATA)") $(BIN)/lit-ddp fit --config $(CONFIG) $(ARGS)
+	$(if $(DATA),LIT_DDP_DATA="$(DATA)") $(BIN)/lit-ddp fit $(foreach c,$(CONFIGS),--config $(c)) $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check lit_ddp tests bench scripts

@@ -179,6 +179,7 @@ def _write_atomic_local(path: str, data: bytes | memoryview) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; a checkpoint gets the usual file mode
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -193,6 +194,18 @@ def _write_atomic_local(path: str, data: bytes | memoryview) -> None:
     for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*.tmp")):
         with contextlib.suppress(OSError):
             os.remove(stale)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def _fsync_dir(directory: str) -> None:

@@ -15,21 +15,25 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_ddp.callbacks import ExactResume, PeriodicCheckpoint
-from lit_ddp.checkpointing import find_resume_checkpoint
-from lit_ddp.errors import FiniteLossGuard, check_ckpt_path, check_master_port, check_trainer, report
-from lit_ddp.launch import enforce_launch
-from lit_ddp.monitoring import HParamsTensorBoardLogger
+from lit_ddp.callbacks import ExactResume, FiniteLossGuard, NonFiniteLossError, PeriodicCheckpoint
+from lit_ddp.checkpointing import AtomicCheckpointIO, NoValidCheckpointError, find_resume_checkpoint
+from lit_ddp.preflight import UsageError, check_ckpt_path, run_preflight
+from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
 DEFAULT_ROOT_DIR = "runs/default"
 DEFAULT_SEED = 1337
+USAGE_EXIT_CODE = 2
+FAILURE_EXIT_CODE = 1
 
 
 def checkpoint_dir(root_dir: str | None) -> str:
@@ -49,7 +53,9 @@ class LitDDPCLI(LightningCLI):
     - ``exact_resume.*`` configures :class:`~lit_ddp.callbacks.ExactResume` (RNG and loader states per rank).
     - The logger defaults to a TensorBoardLogger writing straight into ``trainer.default_root_dir``
       (no ``version_N`` folders), so a restart continues the same log; hyperparameters go into the event
-      files too (:class:`~lit_ddp.monitoring.HParamsTensorBoardLogger`).
+      files too (:class:`~lit_ddp.tensorboard.HParamsTensorBoardLogger`).
+    - Every checkpoint is written atomically (:class:`~lit_ddp.checkpointing.AtomicCheckpointIO`) unless
+      ``trainer.plugins`` names another ``CheckpointIO`` (e.g. ``AsyncAtomicCheckpointIO``).
     - ``fit`` without ``--ckpt_path`` resumes from the newest valid checkpoint of the run directory.
     """
 
@@ -89,12 +95,10 @@ class LitDDPCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
-        # Slurm / torchrun mis-launches: one clear message and exit 2 before anything starts (lit_ddp.launch).
+        # Mis-launches, devices / precision this machine cannot run, a busy MASTER_PORT: one clear message
+        # and exit 2 before anything starts (lit_ddp.preflight). --ckpt_path was checked in _parse_ckpt_path.
         config = self.config[self.subcommand] if self.subcommand else self.config
-        enforce_launch(config.get("trainer"))
-        # Devices / precision this machine cannot run, a busy MASTER_PORT: before any process starts.
-        check_trainer(config.get("trainer"))
-        check_master_port()
+        run_preflight(config.get("trainer"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
@@ -106,6 +110,10 @@ class LitDDPCLI(LightningCLI):
                 version="",
                 default_hp_metric=False,
             )
+        plugins = trainer_config.get("plugins")
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list | tuple) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
@@ -130,6 +138,43 @@ class LitDDPCLI(LightningCLI):
             print(f"checkpoint: {ckpt.best_model_path or ckpt.last_model_path}")
         if callable(getattr(self.model, "sample", None)):
             print(f"sample:\n{self.model.sample()}")
+
+
+def report(fn: Callable[[], Any]) -> Any:
+    """Runs ``fn``; a user mistake becomes one ``lit-ddp: error: ...`` line and exit status 2 (1 for failures
+    during training), instead of a traceback. ``LIT_DDP_DEBUG=1`` lets the traceback through."""
+    if os.environ.get("LIT_DDP_DEBUG"):
+        return fn()
+    try:
+        return fn()
+    except (NonFiniteLossError, NoValidCheckpointError) as e:
+        _exit(e, FAILURE_EXIT_CODE)
+    except (UsageError, MisconfigurationException, ValueError, FileNotFoundError) as e:
+        _exit(e, USAGE_EXIT_CODE)
+
+
+def _message(e: BaseException) -> str:
+    """The user's part of an error: jsonargparse wraps an ``__init__``'s ValueError in a report listing every
+    subtype of the ``model`` / ``data`` union it tried; keep only the reasons that are not about ``None``."""
+    text = str(e)
+    if "Does not validate against any of the Union subtypes" in text:
+        reasons = [
+            line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ") and "NoneType" not in line
+        ]
+        if reasons:
+            return "; ".join(reasons)
+    return text
+
+
+def _exit(e: BaseException, code: int) -> NoReturn:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    # A usage error is the same on every rank: one message (rank zero's) is enough.
+    if code != USAGE_EXIT_CODE or not getattr(rank_zero_only, "rank", 0):
+        print(f"lit-ddp: error: {_message(e)}", file=sys.stderr)
+        print("(set LIT_DDP_DEBUG=1 for the full traceback)", file=sys.stderr)
+        sys.stderr.flush()
+    raise SystemExit(code)
 
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:

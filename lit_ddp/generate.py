@@ -8,18 +8,18 @@ code. The vocabulary and model sizes come from the checkpoint's ``hyper_paramete
 
 from __future__ import annotations
 
-import inspect
+import pickle
 from pathlib import Path
-from typing import Any
 
-import torch
 from jsonargparse import ArgumentParser
 
-from lit_ddp.tasks.mingpt import DEFAULT_PROMPT, GPTModule
+from lit_ddp.callbacks.text_samples import DEFAULT_PROMPT
+from lit_ddp.tasks.mingpt import GPTModule
 
 
 def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
-    """A :class:`GPTModule` rebuilt from a checkpoint written by ``lit-ddp fit`` with it, in eval mode.
+    """A :class:`GPTModule` rebuilt from a checkpoint written by ``lit-ddp fit`` with it, in eval mode
+    (Lightning's ``load_from_checkpoint`` with ``weights_only=True``).
 
     Raises:
         FileNotFoundError: ``ckpt_path`` does not exist.
@@ -29,23 +29,15 @@ def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"--ckpt_path {path}: no such file")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # any unpickling failure means "not a loadable checkpoint"
-        raise ValueError(f"--ckpt_path {path}: cannot be loaded with torch.load(weights_only=True): {e}") from e
     not_gpt = f"--ckpt_path {path} is not a minGPT checkpoint (from lit-ddp fit with GPTModule)"
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        raise ValueError(f"{not_gpt}: no state_dict")
-    hparams = ckpt.get("hyper_parameters")
-    if not isinstance(hparams, dict) or not hparams.get("vocab"):
-        raise ValueError(f"{not_gpt}: no vocab in its hyper_parameters")
-    accepted = inspect.signature(GPTModule.__init__).parameters
-    kwargs: dict[str, Any] = {k: v for k, v in hparams.items() if k in accepted}
     try:
-        module = GPTModule(**kwargs)
-        module.load_state_dict(ckpt["state_dict"])
-    except (TypeError, ValueError, RuntimeError) as e:
+        module = GPTModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"--ckpt_path {path}: cannot be loaded with torch.load(weights_only=True): {e}") from e
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
         raise ValueError(f"{not_gpt}: {e}") from e
+    if module.vocab is None:
+        raise ValueError(f"{not_gpt}: no vocab in its hyper_parameters")
     return module.eval()
 
 

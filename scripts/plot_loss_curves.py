@@ -19,7 +19,7 @@ matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the package
-from lit_ddp.monitoring import read_scalars, scalar_tags  # noqa: E402
+from lit_ddp.tensorboard import read_scalars, scalar_tags  # noqa: E402
 
 TRAIN_TAGS = ("train/loss", "train/loss_step")
 

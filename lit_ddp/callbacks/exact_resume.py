@@ -7,7 +7,7 @@ before it sets the ``DistributedSampler``'s epoch, so under DDP the rest of the 
 0's permutation (torchdata's ``BatchSampler`` iterates the sampler eagerly). Under DDP, Lightning wraps a
 ``StatefulDataLoader(shuffle=True)``'s own sampler in a ``DistributedSamplerWrapper``, whose inner random
 generator advances every epoch and is saved nowhere: a resume draws different samples (in every later epoch
-too); :func:`resumable_sampler` gives the loader torchdata's ``StatefulDistributedSampler`` instead. When
+too); :func:`lit_ddp.data.samplers.resumable_sampler` gives the loader torchdata's ``StatefulDistributedSampler`` instead. When
 ``trainer.estimated_stepping_batches`` is called before the restore (e.g. in ``configure_optimizers`` for an
 LR schedule), the loader state is not restored at all (Lightning issue 20550). :class:`ExactResume` closes
 these gaps.
@@ -15,7 +15,6 @@ these gaps.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -27,8 +26,6 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import Dataset, Sampler, SequentialSampler
-from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
 
 CHECKPOINT_KEY = "exact_resume"
 
@@ -112,7 +109,7 @@ class ExactResume(Callback):
             rank_zero_warn(
                 "Lightning wrapped a train sampler in DistributedSamplerWrapper, whose inner sampler's random "
                 "state is in no checkpoint: a resume will not draw the same samples. Give the train loader "
-                "`sampler=lit_ddp.callbacks.resumable_sampler(dataset)`."
+                "`sampler=lit_ddp.data.samplers.resumable_sampler(dataset)`."
             )
         if self._loader_states and fit_loop.restarted_mid_epoch and combined_loader is not None and fetcher is not None:
             for dl in combined_loader.flattened:
@@ -138,31 +135,6 @@ class ExactResume(Callback):
                     "some steps may show twice or be missing."
                 )
             self._purge_step = None
-
-
-def resumable_sampler(dataset: Dataset, shuffle: bool = True) -> Sampler:
-    """A train sampler whose shuffling and position a checkpoint restores exactly, with or without DDP.
-
-    Call it in ``train_dataloader`` (after Lightning has set up the process group) and pass it as the
-    ``sampler`` of a ``StatefulDataLoader``. Under DDP: torchdata's ``StatefulDistributedSampler`` (a
-    ``DistributedSampler``, so Lightning injects nothing), shuffled by ``(seed, epoch)`` with the seed of
-    ``seed_everything``; its position is part of the loader state. In one process: torchdata's
-    ``RandomSampler`` (what ``StatefulDataLoader(shuffle=True)`` uses), whose generator state is part of the
-    loader state; ``SequentialSampler`` when ``shuffle`` is false.
-
-    Args:
-        dataset: the map-style training dataset.
-        shuffle: draw a new permutation every epoch.
-    """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return StatefulDistributedSampler(
-            dataset,
-            num_replicas=dist.get_world_size(),
-            rank=dist.get_rank(),
-            shuffle=shuffle,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-        )
-    return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
 
 
 def _first_logged_step(trainer: Trainer) -> int:

@@ -1,16 +1,16 @@
-"""DDP from the inside, with two CPU processes: what ``notebooks/01_what_is_ddp.ipynb`` runs.
+"""DDP by hand, in plain PyTorch with two CPU processes: the workers that ``notebooks/01_what_is_ddp.ipynb``
+spawns.
 
 ``torch.multiprocessing`` with the ``spawn`` start method pickles the function each worker runs by reference
 (module and name), so a function defined in a notebook cannot be a worker; the workers live here. Each
 worker joins a gloo process group, does its part, and writes ``<out_dir>/rank<R>.pt``; the notebook reads
 the files back with :func:`load_results`.
 
-Plain PyTorch only (no Lightning): this is what Lightning's ``DDPStrategy`` does for us.
+Plain PyTorch for the DDP itself (Lightning only finds a free port): this is what Lightning's ``DDPStrategy`` does for us.
 """
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,18 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 NUM_FEATURES = 20
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn: Any, *args: Any, world_size: int = 2, timeout: float = 120.0) -> None:
@@ -45,7 +39,11 @@ def spawn(fn: Any, *args: Any, world_size: int = 2, timeout: float = 120.0) -> N
         torch.multiprocessing.ProcessRaisedException: a worker raised (its traceback is in the message).
     """
     ctx = mp.start_processes(
-        fn, args=(world_size, free_port(), timeout, *args), nprocs=world_size, join=False, start_method="spawn"
+        fn,
+        args=(world_size, find_free_network_port(), timeout, *args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + timeout
     try:

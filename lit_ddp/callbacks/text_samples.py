@@ -1,0 +1,50 @@
+"""Text samples from a fixed prompt at each validation end, into TensorBoard."""
+
+from __future__ import annotations
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+DEFAULT_PROMPT = "O God, O God!"
+
+
+class TextSampleCallback(Callback):
+    """At each validation end (not the sanity check), rank zero samples text from a fixed prompt and logs it
+    to TensorBoard as text (tag ``samples``) and to the console at debug level.
+
+    Sampling uses its own seeded generator, so training randomness is untouched.
+
+    Args:
+        prompt: the fixed prompt.
+        max_new_tokens: characters to sample.
+        temperature: sampling temperature.
+        top_k: sample among the ``top_k`` most likely characters; None for all.
+        seed: seed of the sampling generator.
+    """
+
+    def __init__(
+        self,
+        prompt: str = DEFAULT_PROMPT,
+        max_new_tokens: int = 200,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_k = top_k
+        self.seed = seed
+        self.last_sample: str | None = None
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not hasattr(pl_module, "sample"):
+            return
+        text = pl_module.sample(self.prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed)
+        self.last_sample = text
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                indented = "\n".join("    " + line for line in text.splitlines())  # markdown code block
+                logger.experiment.add_text("samples", indented, global_step=trainer.global_step)

@@ -1,0 +1,235 @@
+"""Characters of a text as next-token prediction windows, and their vocabulary (the minGPT task's data).
+
+Source: pytorch/examples ``distributed/minGPT-ddp`` (``char_dataset.py``), itself after Karpathy's minGPT.
+The tutorial splits overlapping windows with ``random_split``, so every validation window shares all but one
+character with some training window; here the text is split contiguously first: validation text never
+appears in training.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lit_ddp.data.samplers import resumable_sampler
+from lit_ddp.data.sources import (
+    DATA_ENV,
+    DEFAULT_CACHE_DIR,
+    TINY_SHAKESPEARE_SHA256,
+    TINY_SHAKESPEARE_URL,
+    check_local_text,
+    download,
+    is_url,
+    read_embedded_text,
+    sha256_of,
+)
+
+EMBEDDED = "embedded"
+"""The source name of the Tiny Shakespeare copy inside the package (see :mod:`lit_ddp.data.sources`)."""
+
+
+def build_vocab(text: str) -> str:
+    """The vocabulary of ``text``: its distinct characters, sorted; character ``vocab[i]`` is token ``i``."""
+    return "".join(sorted(set(text)))
+
+
+def encode(text: str, vocab: str) -> torch.Tensor:
+    """Token ids of ``text`` under a sorted ``vocab`` (as :func:`build_vocab` makes it): int64 of shape
+    ``(len(text),)``, vectorized (no per-character Python work).
+
+    Raises:
+        ValueError: ``text`` holds characters outside ``vocab`` (named in the message).
+    """
+    if not text:
+        return torch.zeros(0, dtype=torch.long)
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    table = np.frombuffer(vocab.encode("utf-32-le"), dtype=np.uint32)  # sorted, as build_vocab makes it
+    ids = np.searchsorted(table, codes)
+    ids_clipped = np.minimum(ids, len(table) - 1)
+    bad = table[ids_clipped] != codes
+    if bad.any():
+        missing = sorted({chr(c) for c in codes[bad][:1000]})
+        raise ValueError(f"characters {missing!r} are not in the vocabulary of {len(vocab)} characters")
+    return torch.from_numpy(ids.astype(np.int64))
+
+
+def decode(ids: torch.Tensor | list[int], vocab: str) -> str:
+    """Text of token ids ``(T,)``: the inverse of :func:`encode`."""
+    return "".join(vocab[i] for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids))
+
+
+class CharWindows(Dataset):
+    """Windows of a token tensor: item ``i`` is ``(x, y) = (data[s : s + T], data[s + 1 : s + T + 1])``
+    with ``s = i * stride`` and ``T = block_size``; both int64 of shape ``(T,)``, slices of ``data``.
+
+    Args:
+        data: token ids ``(N,)``.
+        block_size: window length T.
+        stride: distance between window starts (1: every position, as the tutorial; T: disjoint windows).
+
+    Raises:
+        ValueError: ``data`` shorter than ``block_size + 1`` tokens.
+    """
+
+    def __init__(self, data: torch.Tensor, block_size: int, stride: int = 1) -> None:
+        if data.numel() < block_size + 1:
+            raise ValueError(f"{data.numel()} tokens are too few for one window of block_size={block_size} + 1")
+        self.data = data
+        self.block_size = block_size
+        self.stride = stride
+
+    def __len__(self) -> int:
+        return (self.data.numel() - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = i * self.stride
+        chunk = self.data[s : s + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class CharDataModule(LightningDataModule):
+    """Characters of a text file as next-token prediction windows (the tutorial's ``CharDataset``).
+
+    The text comes from ``path``, else the ``LIT_DDP_DATA`` environment variable, else the Tiny Shakespeare
+    embedded in the package (no network). A URL is downloaded once (``prepare_data``, local rank zero) into
+    ``cache_dir``; a plain path is read in place. In ``setup`` every rank builds the vocabulary of the whole
+    text (unlike the tutorial, which builds it after truncating, so a prompt may use any character of the
+    file), encodes the first ``truncate`` fraction into one int64 tensor, and splits it contiguously: the
+    first ``train_split`` for training, the rest for validation, so no validation window overlaps training
+    text. Training windows start at every position (as the tutorial); validation windows are disjoint
+    (stride ``block_size``), which estimates the same loss ``block_size`` times cheaper. A batch is
+    ``(x, y)``, both ``(B, T)`` int64.
+
+    Args:
+        path: path or fsspec URL of a UTF-8 text; None: ``$LIT_DDP_DATA``, else the embedded Tiny Shakespeare.
+        sha256: expected hex sha256 of the file; None: checked only for Tiny Shakespeare's URL.
+        cache_dir: where URLs are downloaded to.
+        block_size: context length T in characters (linked to the model's ``block_size``).
+        batch_size: windows per device and step (the tutorial's 216).
+        train_split: fraction of the text used for training, in (0, 1).
+        truncate: fraction of the text used at all, in (0, 1] (the tutorial's ``truncate: 0.05``).
+        num_workers: DataLoader worker processes per rank.
+
+    Raises:
+        ValueError: a size or fraction out of range (at construction); a split too short for one window
+            or a sha256 mismatch (in ``prepare_data`` / ``setup``).
+        FileNotFoundError: a local ``path`` that does not exist (at construction, before any process starts).
+        IsADirectoryError: a local ``path`` that is a directory (at construction).
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        sha256: str | None = None,
+        cache_dir: str = DEFAULT_CACHE_DIR,
+        block_size: int = 128,
+        batch_size: int = 64,
+        train_split: float = 0.9,
+        truncate: float = 1.0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be a positive integer")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be a positive integer (windows per device)")
+        if not 0.0 < train_split < 1.0:
+            raise ValueError(f"train_split={train_split} must be in (0, 1)")
+        if not 0.0 < truncate <= 1.0:
+            raise ValueError(f"truncate={truncate} must be in (0, 1]")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0")
+        self.save_hyperparameters()
+        # A bad local path is reported now, before any DDP process is launched (reading waits for setup).
+        if self.source != EMBEDDED and not is_url(self.source):
+            check_local_text(self.source)
+        self.vocab: str | None = None
+        self.train_set: CharWindows | None = None
+        self.val_set: CharWindows | None = None
+
+    @property
+    def source(self) -> str:
+        """The path or URL the text is read from, or ``"embedded"`` for the package's Tiny Shakespeare."""
+        return self.hparams.path or os.environ.get(DATA_ENV) or EMBEDDED
+
+    @property
+    def expected_sha256(self) -> str | None:
+        if self.hparams.sha256 is not None:
+            return self.hparams.sha256
+        return TINY_SHAKESPEARE_SHA256 if self.source in (TINY_SHAKESPEARE_URL, EMBEDDED) else None
+
+    def local_path(self) -> Path | None:
+        """The local file holding the text (for a URL: its cache file, downloaded if missing), sha256-checked
+        where a checksum is known; None for the embedded text.
+
+        Raises:
+            FileNotFoundError, IsADirectoryError: a bad local path.
+            ValueError: a sha256 mismatch.
+        """
+        if self.source == EMBEDDED:
+            return None
+        if is_url(self.source):
+            return download(self.source, self.hparams.cache_dir, self.expected_sha256)
+        path = check_local_text(self.source)
+        if self.expected_sha256 is not None and (got := sha256_of(path)) != self.expected_sha256:
+            raise ValueError(f"sha256 mismatch for {path}: expected {self.expected_sha256}, got {got}")
+        return path
+
+    def read_text(self) -> str:
+        """The whole text, from :meth:`local_path` or the embedded copy."""
+        path = self.local_path()
+        return read_embedded_text() if path is None else path.read_text(encoding="utf-8")
+
+    def prepare_data(self) -> None:
+        self.local_path()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        hp = self.hparams
+        text = self.read_text()
+        if not text:
+            raise ValueError(f"data {self.source} is empty; give a text file with at least a few thousand characters")
+        self.vocab = build_vocab(text)  # of the whole text: truncate never shrinks what a prompt may use
+        text = text[: int(len(text) * hp.truncate)]
+        data = encode(text, self.vocab)
+        n_train = int(data.numel() * hp.train_split)
+        if data.numel() - n_train <= hp.block_size:
+            raise ValueError(
+                f"block_size={hp.block_size} is at least as long as the validation split ({data.numel() - n_train} "
+                f"characters of {self.source} with truncate={hp.truncate}, train_split={hp.train_split}); use "
+                f"block_size < {data.numel() - n_train}, more text or a larger truncate"
+            )
+        self.train_set = CharWindows(data[:n_train], hp.block_size, stride=1)
+        self.val_set = CharWindows(data[n_train:], hp.block_size, stride=hp.block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct characters (after ``setup``)."""
+        if self.vocab is None:
+            raise RuntimeError("vocab_size is known after setup()")
+        return len(self.vocab)
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        return StatefulDataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size,
+            # Resumable shuffling under DDP too (Lightning's DistributedSamplerWrapper loses its state).
+            sampler=resumable_sampler(self.train_set),
+            drop_last=True,
+            num_workers=self.hparams.num_workers,
+        )
+
+    def val_dataloader(self) -> StatefulDataLoader:
+        return StatefulDataLoader(
+            self.val_set,
+            batch_size=self.hparams.batch_size,
+            shuffle=False,
+            num_workers=self.hparams.num_workers,
+        )

@@ -1,0 +1,107 @@
+"""Where a text comes from: the copy of Tiny Shakespeare embedded in the package, a local path, or any
+fsspec URL (``https://``, ``s3://``, ``memory://``...), downloaded once into a sha256-checked cache.
+
+Tiny Shakespeare (Karpathy's char-rnn ``tinyshakespeare/input.txt``, 1,115,394 bytes) ships gzipped inside
+the package, so training and the tests need no network. ``$LIT_DDP_DATA`` (a path or URL) overrides it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import posixpath
+from importlib import resources
+from pathlib import Path
+
+import fsspec
+from lightning.pytorch.utilities import rank_zero_info
+
+TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+TINY_SHAKESPEARE_BYTES = 1_115_394
+EMBEDDED_TEXT = "tinyshakespeare.txt.gz"
+"""Package data of :mod:`lit_ddp.data`: Tiny Shakespeare, gzipped (434 KB)."""
+DATA_ENV = "LIT_DDP_DATA"
+"""Environment variable (a path or URL) that overrides the embedded text; ``make train DATA=...`` sets it."""
+DEFAULT_CACHE_DIR = "~/.cache/lit_ddp"
+
+
+def sha256_of(path: str | Path) -> str:
+    """Hex sha256 of a local file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_url(source: str) -> bool:
+    """True for fsspec URLs (``https://``, ``s3://``, ``file://``, ``memory://``...), False for plain paths."""
+    return "://" in source
+
+
+def read_embedded_text() -> str:
+    """The embedded Tiny Shakespeare (1,115,394 bytes of UTF-8), checked against its sha256.
+
+    Raises:
+        ValueError: the package's copy is damaged (sha256 mismatch); reinstall the package.
+    """
+    data = gzip.decompress(resources.files("lit_ddp.data").joinpath(EMBEDDED_TEXT).read_bytes())
+    if (got := hashlib.sha256(data).hexdigest()) != TINY_SHAKESPEARE_SHA256:
+        raise ValueError(f"the embedded {EMBEDDED_TEXT} is damaged (sha256 {got}); reinstall lit_ddp")
+    return data.decode("utf-8")
+
+
+def download(url: str, cache_dir: str | Path, sha256: str | None = None) -> Path:
+    """Copies ``url`` (any fsspec URL) into ``cache_dir`` once and returns the local path.
+
+    The file is named after a hash of the URL; a download goes to a temporary name and is renamed when
+    complete and verified, so a crash never leaves a partial file under the final name. An existing cached
+    file is reused without network access.
+
+    Args:
+        url: where the text lives.
+        cache_dir: local directory; created if missing.
+        sha256: expected hex sha256 of the file; None skips the check.
+
+    Raises:
+        ValueError: the downloaded (or cached) file's sha256 differs from ``sha256``.
+    """
+    cache = Path(os.path.expanduser(str(cache_dir)))
+    cache.mkdir(parents=True, exist_ok=True)
+    name = posixpath.basename(url.rstrip("/")) or "data.txt"
+    target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
+    if not target.exists():
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        rank_zero_info(f"Downloading {url} to {target}")
+        try:
+            with fsspec.open(url, "rb") as src, open(tmp, "wb") as dst:
+                for chunk in iter(lambda: src.read(1 << 20), b""):
+                    dst.write(chunk)
+            if sha256 is not None and (got := sha256_of(tmp)) != sha256:
+                raise ValueError(f"sha256 mismatch for {url}: expected {sha256}, got {got}")
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    if sha256 is not None and (got := sha256_of(target)) != sha256:
+        raise ValueError(f"sha256 mismatch for cached {target} ({url}): expected {sha256}, got {got}")
+    return target
+
+
+def check_local_text(path: str | Path) -> Path:
+    """``path`` (``~`` expanded) if it is a readable file.
+
+    Raises:
+        FileNotFoundError: nothing exists at ``path``.
+        IsADirectoryError: ``path`` is a directory (the message says so: give the text file inside it).
+    """
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_dir():
+        raise IsADirectoryError(f"data path {p} is a directory; give the text file itself (e.g. {p}/input.txt)")
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"data file {p} does not exist; give data.init_args.path (or ${DATA_ENV}, or make train DATA=...) "
+            "a text file, or leave it unset for the embedded Tiny Shakespeare"
+        )
+    return p

@@ -1,0 +1,263 @@
+"""Every check that runs before any process starts: one error type, one ``lit-ddp: error:`` line.
+
+Each check raises :class:`UsageError` naming the bad value and what would be right; the CLI prints it once
+(rank/task zero) as ``lit-ddp: error: ...`` and exits with status 2, before anything is instantiated, so
+nothing already saved is touched and no process is left waiting for a peer (:func:`run_preflight`).
+
+- the launch (:func:`check_launch`): the Slurm / torchrun mis-launches that otherwise hang or fail
+  obscurely. Lightning joins processes that a launcher started (``srun`` -> ``SLURMEnvironment``,
+  ``torchrun`` -> ``TorchElasticEnvironment``) only when the launcher's task layout matches
+  ``trainer.devices`` (processes per node) and ``trainer.num_nodes``. The mistakes users make most:
+
+  - ``srun -n 2`` without ``--ntasks-per-node``: ``SLURMEnvironment()`` raises inside config
+    instantiation, which jsonargparse reports as "does not correspond to a subclass of ...", once per task.
+  - ``--ntasks-per-node`` != ``trainer.devices`` or ``--nodes`` != ``trainer.num_nodes``: a traceback per task.
+  - ``srun bash -c "python ..."``: the job is named ``bash``, which Lightning takes for an interactive
+    session; Slurm is not detected and every task starts its own independent training into one directory.
+  - ``python`` without ``srun`` in a batch script asking for several tasks: Slurm is detected, one process
+    starts, and it waits forever for the others.
+  - a config with the ``SLURMEnvironment`` plugin under ``torchrun``: the plugin overrides torchrun's ranks.
+- the trainer against this machine (:func:`check_trainer`): more CPU processes than cores, fp16 on CPU;
+- a user-set ``MASTER_PORT`` that is busy (:func:`check_master_port`);
+- an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lit_ddp.checkpointing import is_valid_checkpoint
+
+INTERACTIVE_JOB_NAMES = ("bash", "interactive")  # Lightning's ``_is_slurm_interactive_mode``
+
+
+class UsageError(ValueError):
+    """A value given on the command line, in a config or by the launcher is wrong; the message says what would
+    be right."""
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def _class_paths(plugins: Any) -> list[str]:
+    """Class names of ``trainer.plugins`` given as a config (class_path dicts / Namespaces) or objects."""
+    if plugins is None:
+        return []
+    items = plugins if isinstance(plugins, list | tuple) else [plugins]
+    names = []
+    for item in items:
+        class_path = _get(item, "class_path")
+        names.append(str(class_path) if class_path is not None else type(item).__name__)
+    return names
+
+
+def _first_int(value: str | None) -> int | None:
+    """The leading count of a Slurm task list such as ``2``, ``2(x3)`` or ``2,1``."""
+    match = re.match(r"\s*(\d+)", value or "")
+    return int(match.group(1)) if match else None
+
+
+def devices_per_node(devices: Any) -> int | None:
+    """``trainer.devices`` as a process count, or ``None`` where only the accelerator can tell (``auto``, -1)."""
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    if isinstance(devices, str):
+        devices = devices.strip()
+        if "," in devices:
+            return len([d for d in devices.split(",") if d.strip()])
+        if not re.fullmatch(r"\d+", devices):
+            return None
+        devices = int(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    return None
+
+
+def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
+    """Checks the launch (environment variables of srun / sbatch / torchrun) against the trainer config.
+
+    Args:
+        trainer: the ``trainer`` section of the parsed config (a Namespace or a dict): ``devices``,
+            ``num_nodes`` and ``plugins`` are read.
+        env: the environment to check; defaults to ``os.environ``.
+
+    Raises:
+        UsageError: the first mismatch found, with what would be right.
+    """
+    env = os.environ if env is None else env
+    slurm_plugin = any(p.rsplit(".", 1)[-1] == "SLURMEnvironment" for p in _class_paths(_get(trainer, "plugins")))
+    in_job = "SLURM_JOB_ID" in env
+    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    job_name = env.get("SLURM_JOB_NAME", "")
+    interactive = job_name in INTERACTIVE_JOB_NAMES
+    ntasks = _first_int(env.get("SLURM_NTASKS"))
+    launch_hint = "srun -J NAME --nodes N --ntasks-per-node D python -m lit_ddp fit --config CONFIG"
+
+    if "TORCHELASTIC_RUN_ID" in env:
+        if slurm_plugin:
+            raise UsageError(
+                "This process was started by torchrun, but the config sets trainer.plugins=SLURMEnvironment, which "
+                "would take the ranks from Slurm instead of torchrun. Under torchrun use a config without that "
+                "plugin (e.g. configs/regression/torchrun.yaml, or pass --trainer.plugins null); for Slurm's "
+                "requeue launch python directly: slurm/train.sbatch."
+            )
+        return  # TorchElasticEnvironment: torchrun's --nproc_per_node / --nnodes decide
+
+    if slurm_plugin and not in_job:
+        raise UsageError(
+            "The config sets trainer.plugins=SLURMEnvironment but this is not a Slurm job (no SLURM_JOB_ID). "
+            f"Submit it with `sbatch slurm/train.sbatch CONFIG` or run `{launch_hint}`; without Slurm use a "
+            "config without that plugin (e.g. configs/regression/ddp.yaml)."
+        )
+    if not in_job:
+        return
+
+    if in_step and interactive and (ntasks or 1) > 1:
+        raise UsageError(
+            f"This job step runs {ntasks} tasks but the job is named {job_name!r}, which Lightning takes for an "
+            "interactive session: it would not use Slurm's ranks and every task would start its own training. "
+            "Give the job another name (`srun -J train ...`) or launch python directly instead of through a "
+            f"shell: `{launch_hint}`."
+        )
+    if not in_step and not interactive and (ntasks or 1) > 1:
+        raise UsageError(
+            f"This is the batch script of a job with SLURM_NTASKS={ntasks}, not an srun step: only this one process "
+            f"would start and it would wait forever for the other {ntasks - 1}. Prepend srun: "
+            "`srun python -m lit_ddp fit ...` (as slurm/train.sbatch does)."
+        )
+
+    # Lightning uses SLURMEnvironment when the config names it or when srun started this process.
+    if not slurm_plugin and (interactive or ntasks is None):
+        return
+    if (ntasks or 1) > 1 and "SLURM_NTASKS_PER_NODE" not in env:
+        nodes = _first_int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")) or 1
+        raise UsageError(
+            f"The job was launched with --ntasks={ntasks} (e.g. `srun -n {ntasks}`) but without --ntasks-per-node, "
+            "which Lightning's SLURMEnvironment needs: one task per device on each node. Use "
+            f"`--nodes {nodes} --ntasks-per-node={max(1, ntasks // nodes)}` instead of `-n {ntasks}`."
+        )
+    per_node = _first_int(env.get("SLURM_STEP_TASKS_PER_NODE") if in_step else None) or _first_int(
+        env.get("SLURM_NTASKS_PER_NODE")
+    )
+    devices = _get(trainer, "devices")
+    want = devices_per_node(devices)
+    if per_node is not None and want is not None and per_node != want:
+        raise UsageError(
+            f"Slurm started {per_node} task(s) per node (--ntasks-per-node={per_node}) but trainer.devices={devices}: "
+            f"Lightning needs one task per device. Either launch with --ntasks-per-node={want} or pass "
+            f"--trainer.devices {per_node}."
+        )
+    num_nodes = int(_get(trainer, "num_nodes", 1) or 1)
+    nnodes = _first_int(env.get("SLURM_STEP_NUM_NODES") if in_step else None) or _first_int(env.get("SLURM_NNODES"))
+    if nnodes is not None and nnodes != num_nodes:
+        raise UsageError(
+            f"The job runs on {nnodes} node(s) (--nodes={nnodes}) but trainer.num_nodes={num_nodes}. Either "
+            f"launch with --nodes={num_nodes} or pass --trainer.num_nodes {nnodes}."
+        )
+
+
+def check_trainer(trainer: Any, cpu_count: int | None = None, cuda_available: bool | None = None) -> None:
+    """Checks ``trainer.devices`` and ``trainer.precision`` against this machine before any process starts.
+
+    Raises:
+        UsageError: more CPU processes than cores, or ``16-mixed`` / ``16`` precision on CPU.
+    """
+    if trainer is None:
+        return
+    cpu_count = (os.cpu_count() or 1) if cpu_count is None else cpu_count
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    accelerator = str(_get(trainer, "accelerator", "auto") or "auto").lower()
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda_available)
+    if not on_cpu:
+        return
+    devices = _get(trainer, "devices", "auto")
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and devices > cpu_count:
+        raise UsageError(
+            f"trainer.devices={devices} but this machine has {cpu_count} CPU core(s): on CPU each device is one "
+            f"process, so use trainer.devices <= {cpu_count} (or trainer.accelerator=gpu on a GPU machine)"
+        )
+    precision = str(_get(trainer, "precision", None))
+    if precision in ("16-mixed", "16", "16-true"):
+        raise UsageError(
+            f"trainer.precision={precision} is for GPUs; on CPU use trainer.precision=bf16-mixed or 32-true"
+        )
+
+
+def check_master_port(env: dict[str, str] | None = None) -> None:
+    """Checks that a user-set ``MASTER_PORT`` is free before Lightning launches its DDP processes.
+
+    Only for the process that launches the others itself (not under torchrun, srun, or in a launched
+    child), since there the port is legitimately held by the launcher or rank 0. Without this check Lightning
+    fails in rank 0 and leaves its already launched second process waiting for a peer.
+
+    Raises:
+        UsageError: the port is in use.
+    """
+    env = dict(os.environ) if env is None else env
+    port = env.get("MASTER_PORT")
+    launched = any(k in env for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID"))
+    if port is None or launched:
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"MASTER_PORT={port!r} is not a TCP port number (1-65535)")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((env.get("MASTER_ADDR", "127.0.0.1"), int(port)))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return
+            raise UsageError(
+                f"MASTER_PORT={port} is already in use by another process (an earlier run still alive?); "
+                "pick a free port, e.g. MASTER_PORT=29511, or unset MASTER_PORT and Lightning finds one"
+            ) from None
+
+
+def check_ckpt_path(ckpt_path: str | None) -> None:
+    """Checks an explicit ``--ckpt_path`` before training starts (Lightning would fail after launching).
+
+    Raises:
+        UsageError: the file does not exist, or is truncated / not a torch checkpoint.
+    """
+    if ckpt_path is None or ckpt_path in ("last", "best", "hpc", "registry"):
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(str(ckpt_path))
+    if not fs.exists(path):
+        raise UsageError(
+            f"--ckpt_path {ckpt_path} does not exist; give a .ckpt file of a run (e.g. <run>/checkpoints/last.ckpt)"
+        )
+    if not is_valid_checkpoint(str(ckpt_path)):
+        raise UsageError(
+            f"--ckpt_path {ckpt_path} is truncated or not a checkpoint (not a complete torch.save archive); "
+            "pick another .ckpt from the run's checkpoints/ directory"
+        )
+
+
+def run_preflight(trainer: Any, ckpt_path: str | None = None, env: Mapping[str, str] | None = None) -> None:
+    """All checks, in the order a user meets the problems: launch, machine, port, checkpoint.
+
+    Args:
+        trainer: the ``trainer`` section of the parsed config (a Namespace or a dict).
+        ckpt_path: ``--ckpt_path`` of ``fit`` / ``validate``; None when not given.
+        env: the environment; defaults to ``os.environ``.
+
+    Raises:
+        UsageError: the first problem found.
+    """
+    check_launch(trainer, env)
+    check_trainer(trainer)
+    check_master_port(None if env is None else dict(env))
+    check_ckpt_path(ckpt_path)
