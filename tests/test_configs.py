@@ -1,17 +1,29 @@
-"""Every shipped YAML parses: complete configs alone, fragments composed onto a complete one."""
+"""The shipped configs: each parses, the README's commands compose them as documented, no config forces a
+process-group backend, every multi-process composition has a collective timeout, and no block is repeated."""
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp.cli import cli_main
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
 ALL = sorted(CONFIGS.rglob("*.yaml"))
 BASE = CONFIGS / "regression" / "single_device.yaml"
+DDP = "configs/trainer/ddp.yaml"
+# What slurm/train.sbatch composes before the config it is given (asserted in test_sbatch_composes_fragments).
+SBATCH_FRAGMENTS = [DDP, "configs/trainer/slurm.yaml"]
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 
 def is_complete(path: Path) -> bool:
@@ -19,29 +31,137 @@ def is_complete(path: Path) -> bool:
     return "model" in doc and "data" in doc
 
 
+def resolved(configs: list[str], capsys: pytest.CaptureFixture, *extra: str) -> dict:
+    """The config ``lit-ddp fit --config A --config B ... EXTRA`` resolves to (``--print_config``)."""
+    args = [a for c in configs for a in ("--config", str(REPO / c))]
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", *args, *extra, "--print_config"])
+    out = capsys.readouterr()
+    assert exc.value.code == 0, out.err[-2000:]
+    return yaml.safe_load(out.out)
+
+
+def readme_compositions() -> dict[str, list[str]]:
+    """Every ``lit-ddp fit`` / ``-m lit_ddp fit`` / ``sbatch slurm/train.sbatch`` / ``make train`` command of
+    the README, as the list of configs it composes, keyed by the command."""
+    readme = (REPO / "README.md").read_text()
+    found: dict[str, list[str]] = {}
+    for command in re.findall(r"`([^`\n]+)`", readme):
+        words = shlex.split(command)
+        if "fit" in words and "--config" in words:
+            found[command] = [words[i + 1] for i, w in enumerate(words) if w == "--config"]
+        elif "slurm/train.sbatch" in words[:-1] and words[0] == "sbatch":
+            found[command] = [*SBATCH_FRAGMENTS, words[words.index("slurm/train.sbatch") + 1]]
+        elif words[:2] == ["make", "train"] and len(words) == 2:
+            makefile = (REPO / "Makefile").read_text()
+            found[command] = re.search(r"^CONFIGS \?= (.+)$", makefile, re.M).group(1).split()
+    return found
+
+
 @pytest.mark.parametrize("path", [p for p in ALL if is_complete(p)], ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_complete_config_parses(path: Path, capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli_main(["fit", "--config", str(path), "--print_config"])
-    assert exc.value.code == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["class_path"].startswith("lit_ddp.")
+    printed = resolved([str(path.relative_to(REPO))], capsys)
+    assert printed["model"]["class_path"].startswith("lit_ddp.tasks.")
+    assert printed["data"]["class_path"].startswith("lit_ddp.data.")
     assert printed["trainer"]["default_root_dir"].startswith("runs/")
 
 
-@pytest.mark.parametrize("path", [p for p in ALL if not is_complete(p)], ids=lambda p: str(p.relative_to(CONFIGS)))
+FRAGMENTS = [p for p in ALL if not is_complete(p) and p.parent.name in ("trainer", "checkpoint")]
+
+
+@pytest.mark.parametrize("path", FRAGMENTS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_fragment_composes(path: Path, capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli_main(["fit", "--config", str(BASE), "--config", str(path), "--print_config"])
-    assert exc.value.code == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
+    printed = resolved([str(BASE.relative_to(REPO)), str(path.relative_to(REPO))], capsys)
     fragment = yaml.safe_load(path.read_text())
     for section, values in fragment.items():
         for key, value in values.items():
-            if not isinstance(value, dict):
+            if not isinstance(value, dict | list):
                 assert printed[section][key] == value, f"{path}: {section}.{key}"
 
 
-def test_all_configs_found() -> None:
-    assert any(is_complete(p) for p in ALL)
-    assert (CONFIGS / "trainer" / "cpu_ddp.yaml") in ALL
+def test_readme_lists_every_step() -> None:
+    """Each tutorial step is one README command; together they use every shipped config (so the step
+    configs that are not complete alone are parsed there, composed as documented)."""
+    compositions = readme_compositions()
+    used = {c for configs in compositions.values() for c in configs}
+    shipped = {str(p.relative_to(REPO)) for p in ALL}
+    assert shipped - used == set(), "configs no README command uses"
+    assert used - shipped == set(), "README commands name configs that do not exist"
+
+
+def backend_on(strategy: dict, device: str) -> str:
+    """The process-group backend Lightning's DDPStrategy would use with this config on ``device``."""
+    init_args = {k: v for k, v in strategy.get("init_args", {}).items() if k in ("process_group_backend", "timeout")}
+    ddp = DDPStrategy(**init_args)
+    ddp.parallel_devices = [torch.device(device, 0), torch.device(device, 1)]
+    return ddp._get_process_group_backend()
+
+
+@pytest.mark.parametrize("command", list(readme_compositions()), ids=lambda c: c.split()[-1])
+def test_readme_command_backend_and_timeout(command: str, capsys: pytest.CaptureFixture) -> None:
+    """No composition forces a backend (gloo on CPU, NCCL on CUDA); a multi-process one has a 5-minute
+    collective timeout; the same composition with the GPU fragment last keeps both."""
+    configs = readme_compositions()[command]
+    printed = resolved(configs, capsys)
+    trainer = printed["trainer"]
+    processes_per_node = trainer["devices"] if isinstance(trainer["devices"], int) else 1
+    multi = processes_per_node * int(trainer.get("num_nodes") or 1) != 1  # -1: all GPUs
+    if not multi and trainer["accelerator"] != "gpu":
+        assert trainer["strategy"] in ("auto", None), command
+        return
+    strategy = trainer["strategy"]
+    assert isinstance(strategy, dict) and strategy["class_path"].endswith("DDPStrategy"), command
+    assert strategy["init_args"]["process_group_backend"] is None, "no config may force a backend"
+    assert backend_on(strategy, "cpu") == "gloo"
+    assert backend_on(strategy, "cuda") == "nccl"
+    assert strategy["init_args"]["timeout"] in ("0:05:00", str(COLLECTIVE_TIMEOUT)), command
+    if "configs/trainer/gpu.yaml" not in configs:
+        on_gpu = resolved([*configs, "configs/trainer/gpu.yaml"], capsys)
+        assert on_gpu["trainer"]["accelerator"] == "gpu"
+        assert on_gpu["trainer"]["strategy"] == strategy, "the GPU fragment changes only the accelerator"
+
+
+def test_multiprocess_configs_need_the_ddp_fragment(capsys: pytest.CaptureFixture) -> None:
+    """Every step config that starts several processes is composed with the DDP fragment in the README."""
+    for command, configs in readme_compositions().items():
+        step = yaml.safe_load((REPO / configs[-1]).read_text())
+        trainer = step.get("trainer", {})
+        if int(trainer.get("devices") or 1) * int(trainer.get("num_nodes") or 1) > 1:
+            assert DDP in configs and configs.index(DDP) == 0, command
+
+
+def leaves(node: object) -> int:
+    """Number of scalar values in ``node``."""
+    if isinstance(node, dict):
+        return sum(leaves(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(leaves(v) for v in node)
+    return 1
+
+
+def subtrees(node: object, path: str = "") -> list[tuple[str, object]]:
+    """(path, subtree) of every mapping and list in ``node``, itself included."""
+    if not isinstance(node, dict | list):
+        return []
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    return [(path, node), *(t for k, v in items for t in subtrees(v, f"{path}.{k}"))]
+
+
+def test_no_block_is_repeated() -> None:
+    """A configured object (``class_path`` with arguments) or any block of three or more values lives in one
+    YAML file only: shared pieces are fragments that the commands compose."""
+    seen: dict[str, str] = {}
+    for path in ALL:
+        for where, node in subtrees(yaml.safe_load(path.read_text()) or {}):
+            n = leaves(node)
+            if n >= 3 or (isinstance(node, dict) and "class_path" in node and n >= 2):
+                canonical = json.dumps(node, sort_keys=True, default=str)
+                here = f"{path.relative_to(CONFIGS)}:{where}"
+                assert canonical not in seen, f"{here} repeats {seen[canonical]}"
+                seen[canonical] = here
+
+
+def test_sbatch_composes_fragments() -> None:
+    script = (REPO / "slurm" / "train.sbatch").read_text()
+    for fragment in SBATCH_FRAGMENTS:
+        assert fragment in script

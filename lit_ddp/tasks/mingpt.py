@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule
-from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
+from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LambdaLR, LinearLR, LRScheduler, SequentialLR
 from torchmetrics import MeanMetric
 
 from lit_ddp.callbacks.text_samples import DEFAULT_PROMPT, TextSampleCallback
@@ -267,5 +267,5 @@ def warmup_cosine_schedule(
     else:
         schedulers.append(CosineAnnealingLR(optimizer, T_max=decay_steps - warmup_steps, eta_min=min_lr_ratio * peak))
         milestones.append(decay_steps)
-        schedulers.append(LinearLR(optimizer, min_lr_ratio, min_lr_ratio, total_iters=1))  # the flat floor
+        schedulers.append(LambdaLR(optimizer, lambda _: min_lr_ratio))  # the floor, flat
     return SequentialLR(optimizer, schedulers, milestones=milestones)

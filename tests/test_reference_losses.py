@@ -1,0 +1,81 @@
+"""The losses of fixed-seed runs are those recorded before the layout refactor (torchtitan's rule for
+refactors): bit for bit for the regression; for minGPT within 1e-6 (relative), since the learning-rate
+schedule moved from a hand-written LambdaLR to torch's SequentialLR / LinearLR / CosineAnnealingLR, whose
+recursive form rounds differently (the rates agree to ~1e-14).
+
+Recorded with the code of commit 73e5a69 (tests/data/reference_*.json): one process, CPU, the commands below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Callback
+
+from lit_ddp.cli import cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+class LossRecorder(Callback):
+    """Keeps every training step's loss, every validation's val/loss and the final parameter sums."""
+
+    def __init__(self) -> None:
+        self.train: list[float] = []
+        self.val: list[float] = []
+        self.param_sums: dict[str, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.train.append(float(loss.detach()))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.val.append(float(trainer.callback_metrics["val/loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        state = pl_module.state_dict()
+        self.param_sums = {k: float(v.double().sum()) for k, v in state.items() if v.is_floating_point()}
+
+
+def record(args: list[str], root: Path) -> LossRecorder:
+    cli = cli_main(["fit", *args, "--trainer.default_root_dir", str(root), *QUIET, "--trainer.callbacks+=tests.test_reference_losses.LossRecorder"])  # fmt: skip
+    return next(c for c in cli.trainer.callbacks if isinstance(c, LossRecorder))
+
+
+def assert_matches(got: LossRecorder, reference: dict, rel: float) -> None:
+    assert len(got.train) == len(reference["train"]) and len(got.val) == len(reference["val"])
+    for name, values in (("train", got.train), ("val", got.val)):
+        for step, (a, b) in enumerate(zip(values, reference[name], strict=True)):
+            assert math.isclose(a, b, rel_tol=rel, abs_tol=0.0), f"{name} loss {step}: {a!r} != {b!r}"
+    assert got.param_sums.keys() == reference["param_sums"].keys()
+    for key, value in got.param_sums.items():
+        assert math.isclose(value, reference["param_sums"][key], rel_tol=rel, abs_tol=rel), key
+
+
+@pytest.mark.slow
+def test_regression_losses_unchanged(tmp_path: Path) -> None:
+    got = record(
+        ["--config", str(REPO / "configs/regression/single_device.yaml"), "--trainer.max_epochs", "3"], tmp_path
+    )
+    assert_matches(got, json.loads((DATA / "reference_regression.json").read_text()), rel=0.0)
+
+
+@pytest.mark.slow
+def test_mingpt_losses_unchanged(tmp_path: Path) -> None:
+    # The recording read the text from a file identical to the embedded one (same sha256).
+    args = [
+        "--config", str(REPO / "configs/mingpt/cpu.yaml"), "--trainer.devices", "1",
+        "--model.init_args.n_layer", "1", "--model.init_args.n_head", "2", "--model.init_args.n_embd", "16",
+        "--model.init_args.sample_tokens", "0", "--model.init_args.dropout", "0.1",
+        "--model.init_args.warmup_steps", "5",
+        "--data.init_args.block_size", "16", "--data.init_args.batch_size", "8", "--data.init_args.truncate", "0.02",
+        "--trainer.max_steps", "30", "--trainer.val_check_interval", "10", "--trainer.deterministic", "true",
+    ]  # fmt: skip
+    got = record(args, tmp_path)
+    assert_matches(got, json.loads((DATA / "reference_mingpt.json").read_text()), rel=1e-6)
