@@ -48,8 +48,10 @@ class ExactResume(Callback):
       (written at ``on_train_start``) makes TensorBoard drop the points that the killed run logged after
       its checkpoint, so each step appears once and none is missing.
 
-    A checkpoint from a different world size restores rank ``r mod n``'s states, with a warning: the data
-    split differs anyway, the run goes on but is not exact.
+    A checkpoint from a different world size: the train loader continues from the saved global sample
+    position (:class:`lit_ddp.data.samplers.GlobalOrderSampler`, whose state is the same on every rank), so
+    the data is exact; the RNG states are those of rank ``r mod n`` (a warning says so), so random draws
+    inside a step (dropout) differ from an uninterrupted run's.
 
     Args:
         purge_tensorboard: write TensorBoard's purge marker on resume (see above).
@@ -86,9 +88,10 @@ class ExactResume(Callback):
         per_rank = state["per_rank"]
         if len(per_rank) != trainer.world_size:
             rank_zero_warn(
-                f"The checkpoint was written by {len(per_rank)} processes, this run has {trainer.world_size}: "
-                "each rank restores the RNG and loader states of rank (rank mod saved world size); the resume is "
-                "not exact."
+                f"The checkpoint was written by {len(per_rank)} processes, this run has {trainer.world_size}: the "
+                "train data continues from the same global sample (GlobalOrderSampler), but each rank restores the "
+                "RNG states of rank (rank mod saved world size), so random draws in the step (dropout masks) "
+                "differ from those of an uninterrupted run; without them (e.g. the regression) the resume is exact."
             )
         mine = per_rank[trainer.global_rank % len(per_rank)]
         self._rng_states = mine["rng"]
