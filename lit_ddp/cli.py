@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp.callbacks import ExactResume, FiniteLossGuard, NonFiniteLossError, PeriodicCheckpoint
+from lit_ddp.callbacks.preemption import Preempted, PreemptionCheckpoint
 from lit_ddp.checkpointing import AtomicCheckpointIO, NoValidCheckpointError, find_resume_checkpoint
 from lit_ddp.preflight import UsageError, check_ckpt_path, run_preflight
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
@@ -66,7 +67,8 @@ class LitDDPCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
         # A NaN/inf loss stops training with a message naming the step; the last good checkpoint is kept.
-        kwargs.setdefault("trainer_defaults", {"callbacks": [FiniteLossGuard()]})
+        # A preemption signal saves, requeues (Slurm) and stops at the next optimizer step, on every rank.
+        kwargs.setdefault("trainer_defaults", {"callbacks": [FiniteLossGuard(), PreemptionCheckpoint()]})
         super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -147,6 +149,12 @@ def report(fn: Callable[[], Any]) -> Any:
         return fn()
     try:
         return fn()
+    except Preempted as e:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        if not getattr(rank_zero_only, "rank", 0):
+            print(f"lit-ddp: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + e.signum) from None
     except (NonFiniteLossError, NoValidCheckpointError) as e:
         _exit(e, FAILURE_EXIT_CODE)
     except (UsageError, MisconfigurationException, ValueError, FileNotFoundError) as e:

@@ -1,0 +1,130 @@
+"""Preemption handled at an optimizer-step boundary: the ranks agree, save one checkpoint, requeue, exit."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_ddp import signals
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(Exception):
+    """Training stopped at a step boundary after a preemption signal; the checkpoint is saved (and, under
+    Slurm, the job requeued). The CLI exits with ``128 + signum``, the status of a process ended by it."""
+
+    def __init__(self, signum: int, path: str, requeued: bool) -> None:
+        self.signum, self.path, self.requeued = signum, path, requeued
+        name = signal.Signals(signum).name
+        action = "the job is requeued" if requeued else "re-run the same command to resume"
+        super().__init__(f"stopped by {name} at a step boundary; saved {path}; {action}")
+
+
+class PreemptionCheckpoint(Callback):
+    """Saves, requeues and stops when SIGUSR1 or SIGTERM arrives, at the next optimizer-step boundary.
+
+    Lightning's SLURM handler calls ``trainer.save_checkpoint`` inside the signal handler and its SIGTERM
+    handler broadcasts there, on each rank at whatever point that rank is (see :mod:`lit_ddp.signals`); this
+    callback replaces only that part. Its handlers record the signal (``lit_ddp.signals``; SIGUSR1 from the
+    start of ``lit-ddp fit``, SIGTERM from ``on_train_start``, when Lightning has installed its own). After
+    every optimizer step the ranks agree with one all-reduce (MAX) of "a signal was recorded here", which
+    every rank reaches; when any rank has one, all of them:
+
+    1. save one checkpoint through the normal path (``trainer.save_checkpoint``: atomic, with every rank's
+       RNG and loader states) as ``<default_root_dir>/hpc_ckpt_N.ckpt``, Lightning's name for it, and wait
+       for an asynchronous write in flight (the checkpoint is on disk before anything else happens);
+    2. under Slurm with ``SLURMEnvironment(auto_requeue=True)`` and its requeue signal, rank zero runs
+       ``scontrol requeue JOB`` (Lightning's command; it is part of its handler, so not callable alone);
+    3. raise :class:`Preempted`, which the CLI turns into exit status ``128 + signum`` without a traceback
+       (SIGTERM: 143, which torchrun and Slurm read as a failure, so nothing counts the run as finished).
+
+    A signal that lands during validation or a save is acted on at the next boundary. Every rank takes part
+    in the all-reduce each step (one small tensor; gloo on CPU, the default device's backend otherwise).
+
+    Args:
+        handle_sigterm: treat SIGTERM like a preemption notice (sites that send it before the kill).
+    """
+
+    def __init__(self, handle_sigterm: bool = True) -> None:
+        self.handle_sigterm = handle_sigterm
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After Lightning's register_signal_handlers(): replace its SIGUSR1 / SIGTERM handlers with ours.
+        signals.install(signal.SIGUSR1, *([signal.SIGTERM] if self.handle_sigterm else []))
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return  # not an optimizer-step boundary
+        local = signals.requested()
+        signum = _agree(trainer, local)
+        if signum is None:
+            return
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        rank_zero_info(f"{signal.Signals(signum).name} received: saving {path} at global_step {trainer.global_step}")
+        trainer.save_checkpoint(path)
+        wait_for_checkpoint_writes(trainer)
+        for logger in trainer.loggers:
+            logger.save()
+        requeued = False
+        env = trainer._accelerator_connector.cluster_environment
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue and signum == env.requeue_signal:
+            requeued = True
+            if trainer.is_global_zero:
+                requeue_slurm_job()
+        signals.clear()
+        raise Preempted(signum, path, requeued)
+
+
+def _agree(trainer: Trainer, local: int | None) -> int | None:
+    """The signal any rank recorded (the highest number when ranks recorded different ones), or None."""
+    if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
+        return local
+    flag = torch.tensor([local or 0], dtype=torch.int32, device=trainer.strategy.root_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) or None
+
+
+def wait_for_checkpoint_writes(trainer: Trainer) -> None:
+    """Blocks until an asynchronous checkpoint write in flight is on disk (a no-op for synchronous IO).
+
+    Raises:
+        BaseException: the error of a failed asynchronous write.
+    """
+    io = trainer.strategy.checkpoint_io
+    while io is not None and not isinstance(io, AsyncCheckpointIO):
+        io = getattr(io, "checkpoint_io", None)
+    if io is None or getattr(io, "_executor", None) is None:
+        return
+    io._executor.submit(lambda: None).result()  # one worker, FIFO: every earlier write has finished
+    if io._error is not None:
+        raise io._error
+
+
+def requeue_slurm_job() -> None:
+    """``scontrol requeue`` of this job (array jobs included), as Lightning's SLURM handler does it."""
+    array_job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job_id is not None:
+        job_id = f"{array_job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    else:
+        job_id = os.environ["SLURM_JOB_ID"]
+    if not re.fullmatch(r"[0-9_]+", job_id):
+        raise RuntimeError(f"unexpected SLURM job id {job_id!r}; not requeueing")
+    result = subprocess.call(["scontrol", "requeue", job_id])
+    if result == 0:
+        rank_zero_info(f"Requeued Slurm job {job_id}")
+    else:
+        log.warning(f"Requeueing Slurm job {job_id} failed with status {result}")
