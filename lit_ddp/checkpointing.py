@@ -11,24 +11,29 @@ process killed while writing never destroys the previous checkpoint.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import io
 import logging
 import os
+import pickle
+import socket
 import tempfile
 import zipfile
-from collections.abc import Iterable
 from typing import Any
 
 import fsspec
 import torch
+import torch.distributed as dist
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _is_object_storage
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -58,31 +63,83 @@ def is_valid_checkpoint(path: str) -> bool:
         return False
 
 
+class _HeaderUnpickler(pickle.Unpickler):
+    """Unpickles a checkpoint's ``data.pkl`` without its tensors and without running any code: every class
+    but ``OrderedDict`` becomes an inert placeholder, every tensor storage ``None``."""
+
+    class _Opaque:
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def __setstate__(self, state: Any) -> None: ...
+
+    def find_class(self, module: str, name: str) -> Any:
+        return collections.OrderedDict if (module, name) == ("collections", "OrderedDict") else self._Opaque
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def checkpoint_step(path: str) -> int:
+    """The ``global_step`` recorded in a checkpoint, reading only its ``data.pkl`` record (a few KB; the
+    tensors are not read), locally or through fsspec.
+
+    Raises:
+        ValueError: not a readable torch checkpoint with a ``global_step``.
+    """
+    try:
+        with fsspec.open(path, "rb") as f, zipfile.ZipFile(f) as zf:
+            name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if name is None:
+                raise ValueError(f"{path} has no data.pkl")
+            with zf.open(name) as pkl:
+                data = _HeaderUnpickler(pkl).load()
+    except (OSError, zipfile.BadZipFile, EOFError, pickle.UnpicklingError, RuntimeError) as e:
+        raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
+    step = data.get("global_step") if isinstance(data, dict) else None
+    if not isinstance(step, int):
+        raise ValueError(f"{path} records no global_step")
+    return step
+
+
+_KIND_ORDER = {"last": 0, "hpc": 1, "step": 2}  # equal steps are the same point; prefer last.ckpt, then hpc
+
+
+def _kind(path: str) -> str:
+    name = path.rsplit("/", 1)[-1]
+    return "last" if name == "last.ckpt" else "hpc" if name.startswith("hpc_ckpt_") else "step"
+
+
 def checkpoint_candidates(root_dir: str, checkpoint_dir: str | None = None) -> list[str]:
-    """All ``*.ckpt`` files of a run, newest (by modification time) first.
+    """All ``*.ckpt`` files of a run, highest recorded step first (see :func:`ranked_checkpoints`)."""
+    return [path for _, path in ranked_checkpoints(root_dir, checkpoint_dir)]
+
+
+def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list[tuple[int, str]]:
+    """All ``*.ckpt`` files of a run as ``(global_step, path)``, highest step first; for equal steps
+    ``last.ckpt``, then ``hpc_ckpt_N.ckpt``, then by name. File times play no part (a copied run directory or
+    an object store with 1-second times reorders them). A file whose step cannot be read gets step -1, so it
+    comes last (and fails validation there).
 
     Args:
         root_dir: the run directory (``trainer.default_root_dir``); ``hpc_ckpt_*.ckpt`` are looked for here.
         checkpoint_dir: the ModelCheckpoint directory; defaults to ``<root_dir>/checkpoints``.
     """
     fs, root = url_to_fs(str(root_dir))
-    dirs = [checkpoint_dir if checkpoint_dir is not None else _join(fs, str(root_dir), "checkpoints")]
-    found: list[tuple[float, int, str]] = []
+    ckpt_dir = checkpoint_dir if checkpoint_dir is not None else _join(fs, str(root_dir), "checkpoints")
+    _, dpath = url_to_fs(str(ckpt_dir))
     hpc = [p for p in _ls(fs, root) if p.rsplit("/", 1)[-1].startswith("hpc_ckpt_")]
-    for d in dirs:
-        _, dpath = url_to_fs(str(d))
-        for p in [*_ls(fs, dpath), *hpc]:
-            if not p.endswith(".ckpt"):
-                continue
-            info = fs.info(p)
-            mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
-            if hasattr(mtime, "timestamp"):
-                mtime = mtime.timestamp()
-            # On equal times prefer last.ckpt, which ModelCheckpoint writes after the numbered one.
-            name = p if "file" in _protocols(fs) else fs.unstrip_protocol(p)
-            found.append((float(mtime), int(p.endswith("/last.ckpt")), name))
-    found.sort(reverse=True)
-    return _dedupe(p for _, _, p in found)
+    found: dict[str, tuple[int, int, str]] = {}
+    for p in [*_ls(fs, dpath), *hpc]:
+        if not p.endswith(".ckpt"):
+            continue
+        name = p if "file" in _protocols(fs) else fs.unstrip_protocol(p)
+        try:
+            step = checkpoint_step(name)
+        except ValueError:
+            step = -1
+        found[name] = (step, _KIND_ORDER[_kind(name)], name)
+    ordered = sorted(found.values(), key=lambda t: (-t[0], t[1], t[2]))
+    return [(step, name) for step, _, name in ordered]
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -96,31 +153,26 @@ def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
         return []
 
 
-def _dedupe(paths: Iterable[str]) -> list[str]:
-    seen: dict[str, None] = {}
-    for p in paths:
-        seen.setdefault(p, None)
-    return list(seen)
-
-
 def find_resume_checkpoint(root_dir: str, checkpoint_dir: str | None = None) -> str | None:
-    """The newest valid checkpoint of a run, or ``None`` when the run has none yet.
+    """The valid checkpoint with the highest recorded step, or ``None`` when the run has none yet.
 
-    An invalid newer checkpoint (e.g. truncated by a kill) is skipped with a warning naming it.
+    Each candidate's small ``data.pkl`` record is read for its step; only the chosen file is then read in
+    full (its CRCs). An invalid one (e.g. truncated by a kill) is skipped with a warning naming it.
 
     Raises:
         NoValidCheckpointError: checkpoints exist but none is valid; training must not silently restart
             from scratch over them.
     """
-    candidates = checkpoint_candidates(root_dir, checkpoint_dir)
-    for path in candidates:
+    candidates = ranked_checkpoints(root_dir, checkpoint_dir)
+    for _, path in candidates:
         if is_valid_checkpoint(path):
             return path
         log.warning("Checkpoint %s is truncated or unreadable; falling back to an older one.", path)
     if candidates:
         raise NoValidCheckpointError(
-            f"None of the {len(candidates)} checkpoint(s) in {root_dir} can be read ({', '.join(candidates)}). "
-            "Delete or move them to start from scratch, or pass --ckpt_path to a valid checkpoint."
+            f"None of the {len(candidates)} checkpoint(s) in {root_dir} can be read "
+            f"({', '.join(p for _, p in candidates)}). Delete or move them to start from scratch, or pass "
+            "--ckpt_path to a valid checkpoint."
         )
     return None
 
@@ -234,3 +286,68 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
         super().__init__(checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO())
+
+
+RESUME_AUTO = "lit-ddp:resume-auto"
+"""``ckpt_path`` value that :class:`AgreedResumeConnector` replaces with the agreed resume checkpoint."""
+
+
+class ResumePointError(RuntimeError):
+    """The ranks cannot all resume from the checkpoint rank zero chose (the run directory is not shared)."""
+
+
+def agree_on_resume_checkpoint(trainer: Any, root_dir: str, checkpoint_dir: str) -> str | None:
+    """Rank zero chooses the resume checkpoint (:func:`find_resume_checkpoint`); the choice is broadcast and
+    every rank checks that it can read that file. Collective: every rank must call it.
+
+    Raises:
+        NoValidCheckpointError: on every rank, when rank zero finds checkpoints but none is valid.
+        ResumePointError: on every rank, when some rank cannot read the chosen file; the message names the
+            path and each such rank and host.
+    """
+    choice: tuple[str | None, str | None] = (None, None)
+    if trainer.is_global_zero:
+        try:
+            choice = (find_resume_checkpoint(root_dir, checkpoint_dir), None)
+        except NoValidCheckpointError as e:
+            choice = (None, str(e))
+    path, error = trainer.strategy.broadcast(choice, src=0)
+    if error is not None:
+        raise NoValidCheckpointError(error)
+    if path is None:
+        return None
+    try:
+        checkpoint_step(path)
+        readable = True
+    except ValueError:
+        readable = False
+    mine = (trainer.global_rank, socket.gethostname(), readable)
+    everyone = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    blind = [f"rank {r} on {host}" for r, host, ok in everyone if not ok]
+    if blind:
+        raise ResumePointError(
+            f"rank 0 chose to resume from {path}, which {', '.join(blind)} cannot read: the run directory "
+            f"({root_dir}) must be on storage that every node shares, with the same path on each"
+        )
+    return path
+
+
+class AgreedResumeConnector(_CheckpointConnector):
+    """Lightning's checkpoint connector, resolving ``ckpt_path=RESUME_AUTO`` once the process group exists:
+    rank zero picks the checkpoint and every rank resumes from the same one (:func:`agree_on_resume_checkpoint`).
+    Lightning's own choice (``ckpt_path="last"`` / ``"hpc"``) is per rank and by file name or time."""
+
+    def __init__(self, trainer: Any, checkpoint_dir: str) -> None:
+        super().__init__(trainer)
+        self.checkpoint_dir = checkpoint_dir
+
+    def resume_start(self, checkpoint_path: _PATH | None = None, weights_only: bool | None = None) -> None:
+        if checkpoint_path == RESUME_AUTO:
+            root = self.trainer.default_root_dir
+            checkpoint_path = agree_on_resume_checkpoint(self.trainer, root, self.checkpoint_dir)
+            if checkpoint_path is not None:
+                rank_zero_info(f"Resuming from {checkpoint_path}")
+        super().resume_start(checkpoint_path, weights_only)

@@ -7,8 +7,8 @@ Layout of a run directory (``trainer.default_root_dir``)::
     <root>/checkpoints/*.ckpt          ModelCheckpoint files, plus last.ckpt
     <root>/hpc_ckpt_N.ckpt             Lightning's Slurm requeue checkpoint (only under Slurm)
 
-Re-running the same command resumes from the newest valid checkpoint there (see
-:func:`lit_ddp.checkpointing.find_resume_checkpoint`).
+Re-running the same command resumes from the valid checkpoint with the highest step there, the same one on
+every rank (see :func:`lit_ddp.checkpointing.agree_on_resume_checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp.callbacks import ExactResume, FiniteLossGuard, NonFiniteLossError, PeriodicCheckpoint
 from lit_ddp.callbacks.preemption import Preempted, PreemptionCheckpoint
-from lit_ddp.checkpointing import AtomicCheckpointIO, NoValidCheckpointError, find_resume_checkpoint
+from lit_ddp.checkpointing import (
+    RESUME_AUTO,
+    AgreedResumeConnector,
+    AtomicCheckpointIO,
+    NoValidCheckpointError,
+    ResumePointError,
+)
 from lit_ddp.preflight import UsageError, check_ckpt_path, run_preflight
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
@@ -122,11 +127,10 @@ class LitDDPCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         check_ckpt_path(config.get("ckpt_path"))
         if config.get("ckpt_path") is None:
+            # Resolved once every rank has joined: rank zero picks, every rank checks it can read the file.
             root = self.trainer.default_root_dir
-            ckpt = find_resume_checkpoint(root, checkpoint_dir(root))
-            if ckpt is not None:
-                rank_zero_info(f"Resuming from {ckpt}")
-                config["ckpt_path"] = ckpt
+            self.trainer._checkpoint_connector = AgreedResumeConnector(self.trainer, checkpoint_dir(root))
+            config["ckpt_path"] = RESUME_AUTO
 
     def after_fit(self) -> None:
         """Rank zero prints the best monitored value, the checkpoint path, and a text sample when the model
@@ -157,7 +161,14 @@ def report(fn: Callable[[], Any]) -> Any:
         raise SystemExit(128 + e.signum) from None
     except (NonFiniteLossError, NoValidCheckpointError) as e:
         _exit(e, FAILURE_EXIT_CODE)
-    except (UsageError, MisconfigurationException, ValueError, FileNotFoundError) as e:
+    except (
+        UsageError,
+        ResumePointError,
+        MisconfigurationException,
+        ValueError,
+        FileNotFoundError,
+        IsADirectoryError,
+    ) as e:
         _exit(e, USAGE_EXIT_CODE)
 
 
