@@ -79,12 +79,12 @@ class _HeaderUnpickler(pickle.Unpickler):
         return None
 
 
-def checkpoint_step(path: str) -> int:
-    """The ``global_step`` recorded in a checkpoint, reading only its ``data.pkl`` record (a few KB; the
-    tensors are not read), locally or through fsspec.
+def checkpoint_header(path: str) -> dict[str, Any]:
+    """A checkpoint's dictionary without its tensors (they are ``None``), reading only its ``data.pkl``
+    record (a few KB), locally or through fsspec, and running no code from the file.
 
     Raises:
-        ValueError: not a readable torch checkpoint with a ``global_step``.
+        ValueError: not a readable torch checkpoint.
     """
     try:
         with fsspec.open(path, "rb") as f, zipfile.ZipFile(f) as zf:
@@ -95,7 +95,18 @@ def checkpoint_step(path: str) -> int:
                 data = _HeaderUnpickler(pkl).load()
     except (OSError, zipfile.BadZipFile, EOFError, pickle.UnpicklingError, RuntimeError) as e:
         raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
-    step = data.get("global_step") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a checkpoint dictionary")
+    return data
+
+
+def checkpoint_step(path: str) -> int:
+    """The ``global_step`` recorded in a checkpoint (:func:`checkpoint_header`: the tensors are not read).
+
+    Raises:
+        ValueError: not a readable torch checkpoint with a ``global_step``.
+    """
+    step = checkpoint_header(path).get("global_step")
     if not isinstance(step, int):
         raise ValueError(f"{path} records no global_step")
     return step

@@ -15,31 +15,26 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_ddp.callbacks import ExactResume, FiniteLossGuard, NonFiniteLossError, PeriodicCheckpoint
-from lit_ddp.callbacks.preemption import Preempted, PreemptionCheckpoint
+from lit_ddp.callbacks import ExactResume, FiniteLossGuard, PeriodicCheckpoint
+from lit_ddp.callbacks.preemption import PreemptionCheckpoint
 from lit_ddp.checkpointing import (
     RESUME_AUTO,
     AgreedResumeConnector,
     AtomicCheckpointIO,
-    NoValidCheckpointError,
-    ResumePointError,
 )
-from lit_ddp.preflight import UsageError, check_ckpt_path, run_preflight
+from lit_ddp.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
+from lit_ddp.reporting import mark_running, report
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
 DEFAULT_ROOT_DIR = "runs/default"
 DEFAULT_SEED = 1337
-USAGE_EXIT_CODE = 2
-FAILURE_EXIT_CODE = 1
 
 
 def checkpoint_dir(root_dir: str | None) -> str:
@@ -99,6 +94,7 @@ class LitDDPCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             check_ckpt_path(self.config[subcommand].get("ckpt_path"))
+            check_ckpt_matches_config(self.config[subcommand].get("ckpt_path"), self.config[subcommand].get("model"))
         super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
@@ -124,6 +120,7 @@ class LitDDPCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
+        mark_running()  # from here on, failures are reported by the rank they happen on
         config = self.config_init[self.subcommand]
         check_ckpt_path(config.get("ckpt_path"))
         if config.get("ckpt_path") is None:
@@ -146,56 +143,6 @@ class LitDDPCLI(LightningCLI):
             print(f"sample:\n{self.model.sample()}")
 
 
-def report(fn: Callable[[], Any]) -> Any:
-    """Runs ``fn``; a user mistake becomes one ``lit-ddp: error: ...`` line and exit status 2 (1 for failures
-    during training), instead of a traceback. ``LIT_DDP_DEBUG=1`` lets the traceback through."""
-    if os.environ.get("LIT_DDP_DEBUG"):
-        return fn()
-    try:
-        return fn()
-    except Preempted as e:
-        from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-        if not getattr(rank_zero_only, "rank", 0):
-            print(f"lit-ddp: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + e.signum) from None
-    except (NonFiniteLossError, NoValidCheckpointError) as e:
-        _exit(e, FAILURE_EXIT_CODE)
-    except (
-        UsageError,
-        ResumePointError,
-        MisconfigurationException,
-        ValueError,
-        FileNotFoundError,
-        IsADirectoryError,
-    ) as e:
-        _exit(e, USAGE_EXIT_CODE)
-
-
-def _message(e: BaseException) -> str:
-    """The user's part of an error: jsonargparse wraps an ``__init__``'s ValueError in a report listing every
-    subtype of the ``model`` / ``data`` union it tried; keep only the reasons that are not about ``None``."""
-    text = str(e)
-    if "Does not validate against any of the Union subtypes" in text:
-        reasons = [
-            line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ") and "NoneType" not in line
-        ]
-        if reasons:
-            return "; ".join(reasons)
-    return text
-
-
-def _exit(e: BaseException, code: int) -> NoReturn:
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    # A usage error is the same on every rank: one message (rank zero's) is enough.
-    if code != USAGE_EXIT_CODE or not getattr(rank_zero_only, "rank", 0):
-        print(f"lit-ddp: error: {_message(e)}", file=sys.stderr)
-        print("(set LIT_DDP_DEBUG=1 for the full traceback)", file=sys.stderr)
-        sys.stderr.flush()
-    raise SystemExit(code)
-
-
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
     """Entry point of ``lit-ddp`` and ``python -m lit_ddp``.
 
@@ -210,7 +157,7 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
         return None
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # args=None lets LightningCLI read sys.argv itself (passing both makes it warn).
-    return report(lambda: LitDDPCLI(args=None if args is None else argv))
+    return report(lambda: check_config_files(argv) or LitDDPCLI(args=None if args is None else argv))
 
 
 def main() -> None:

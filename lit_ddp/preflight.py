@@ -32,8 +32,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import yaml
+from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_ddp.checkpointing import is_valid_checkpoint
+from lit_ddp.checkpointing import checkpoint_header, is_valid_checkpoint
 
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")  # Lightning's ``_is_slurm_interactive_mode``
 
@@ -261,3 +263,65 @@ def run_preflight(trainer: Any, ckpt_path: str | None = None, env: Mapping[str, 
     check_trainer(trainer)
     check_master_port(None if env is None else dict(env))
     check_ckpt_path(ckpt_path)
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Parses every ``--config FILE`` of ``argv`` as YAML first, so a syntax error names its file and line
+    (jsonargparse's message names neither when several configs are given). Missing files are left to the
+    parser, which names them.
+
+    Raises:
+        UsageError: a file that is not valid YAML.
+    """
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+            problem = getattr(e, "problem", None) or str(e)
+            raise UsageError(f"config {path} is not valid YAML ({where}): {problem}") from None
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def check_ckpt_matches_config(ckpt_path: str | None, model_config: Any) -> None:
+    """Checks an explicit ``--ckpt_path`` against the config's model before anything is built (reading only
+    the checkpoint's small ``data.pkl`` record). LightningCLI re-parses the checkpoint's hyperparameters over
+    the config: a checkpoint of another task would silently build that task's model; a saved value
+    silently replaces the one given. The first is refused, the second warned about, key by key.
+
+    Raises:
+        UsageError: the checkpoint was written by another LightningModule than the config's ``model``.
+    """
+    if ckpt_path is None or ckpt_path in ("last", "best", "hpc", "registry") or model_config is None:
+        return
+    hparams = checkpoint_header(str(ckpt_path)).get("hyper_parameters") or {}
+    saved_class = hparams.get("_class_path")
+    class_path = _get(model_config, "class_path")
+    if saved_class and class_path and saved_class != class_path:
+        raise UsageError(
+            f"--ckpt_path {ckpt_path} is a checkpoint of {saved_class}, but the config trains {class_path}: "
+            "give a checkpoint of the same task, or the config of the task that wrote it"
+        )
+    init_args = _get(model_config, "init_args") or {}
+    for key, saved in hparams.items():
+        if key.startswith("_") or key == "vocab":
+            continue
+        given = _get(init_args, key, saved)
+        if _plain(given) != _plain(saved):
+            rank_zero_warn(
+                f"--ckpt_path {ckpt_path}: the checkpoint's model.init_args.{key}={saved!r} replaces the "
+                f"configured {given!r} (LightningCLI restores a checkpoint's hyperparameters)"
+            )
