@@ -21,6 +21,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp.callbacks import ExactResume, FiniteLossGuard, PeriodicCheckpoint
 from lit_ddp.callbacks.preemption import PreemptionCheckpoint
@@ -29,6 +30,7 @@ from lit_ddp.checkpointing import (
     AgreedResumeConnector,
     AtomicCheckpointIO,
 )
+from lit_ddp.elastic import init_process_group_on_shared_store
 from lit_ddp.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
 from lit_ddp.reporting import mark_running, report
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
@@ -121,6 +123,9 @@ class LitDDPCLI(LightningCLI):
 
     def before_fit(self) -> None:
         mark_running()  # from here on, failures are reported by the rank they happen on
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DDPStrategy):  # torchrun's shared store: a prefix per restart (lit_ddp.elastic)
+            init_process_group_on_shared_store(strategy._get_process_group_backend(), strategy._timeout)
         config = self.config_init[self.subcommand]
         check_ckpt_path(config.get("ckpt_path"))
         if config.get("ckpt_path") is None:

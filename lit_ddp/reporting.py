@@ -65,8 +65,11 @@ def report(fn: Callable[[], Any]) -> Any:
     if os.environ.get("LIT_DDP_DEBUG"):
         return fn()
     try:
-        return fn()
+        result = fn()
+        release_process_group()
+        return result
     except Preempted as e:
+        release_process_group()
         if _rank() == 0:
             print(f"lit-ddp: {e}", file=sys.stderr, flush=True)
         raise SystemExit(128 + e.signum) from None
@@ -128,9 +131,25 @@ def _exit_from_rank(e: BaseException) -> NoReturn:
             flush=True,
         )
         os._exit(FAILURE_EXIT_CODE)  # nothing left to clean up that would not wait on the dead peer
+    release_process_group()
     if isinstance(e, USAGE_ERRORS + FAILURES):
         print(f"lit-ddp: error: {where}: {_message(e)}", file=sys.stderr, flush=True)
         raise SystemExit(USAGE_EXIT_CODE if isinstance(e, USAGE_ERRORS) else FAILURE_EXIT_CODE)
     traceback.print_exception(e, file=sys.stderr)
     print(f"lit-ddp: error: {where} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     raise SystemExit(FAILURE_EXIT_CODE)
+
+
+def release_process_group() -> None:
+    """Destroys the default process group, if any, before the interpreter exits.
+
+    A process that exits with a live gloo group can abort in its C++ destructors ("terminate called without
+    an active exception", SIGABRT) after torchrun restarts, turning a finished run into a failed one.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot be destroyed cleanly; exiting is what is left
+            pass
