@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -149,7 +150,6 @@ def release_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        try:
+        # A broken group cannot be destroyed cleanly; exiting is what is left then.
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group cannot be destroyed cleanly; exiting is what is left
-            pass
