@@ -42,7 +42,9 @@ class TextSampleCallback(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not hasattr(pl_module, "sample"):
             return
-        text = pl_module.sample(self.prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed)
+        vocab = getattr(pl_module, "vocab", None)
+        prompt = self.prompt if vocab is None or all(c in vocab for c in self.prompt) else None  # None: the module's
+        text = pl_module.sample(prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed)
         self.last_sample = text
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):

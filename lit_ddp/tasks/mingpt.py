@@ -216,7 +216,8 @@ class GPTModule(LightningModule):
         """Text continuing ``prompt`` (default: ``sample_prompt``), prompt included; local to this process.
 
         Args:
-            prompt: the start of the text; every character must be in the vocabulary.
+            prompt: the start of the text; every character must be in the vocabulary. None: ``sample_prompt``
+                less the characters that are not in the vocabulary (its first character if none is left).
             max_new_tokens: characters to sample, ``>= 0``.
             temperature: sampling temperature; 0 is greedy.
             top_k: sample among the ``top_k`` most likely characters; None for all.
@@ -226,7 +227,8 @@ class GPTModule(LightningModule):
             ValueError: a character of ``prompt`` outside the vocabulary, an empty prompt, or a bad
                 sampling argument.
         """
-        prompt = self.hparams.sample_prompt if prompt is None else prompt
+        if prompt is None:  # the configured prompt, without characters this text lacks (else its first character)
+            prompt = "".join(c for c in self.hparams.sample_prompt if c in self.vocab) or self.vocab[0]
         if not prompt:
             raise ValueError("prompt must not be empty")
         device = next(self.model.parameters()).device
