@@ -135,15 +135,15 @@ def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list
         root_dir: the run directory (``trainer.default_root_dir``); ``hpc_ckpt_*.ckpt`` are looked for here.
         checkpoint_dir: the ModelCheckpoint directory; defaults to ``<root_dir>/checkpoints``.
     """
-    fs, root = url_to_fs(str(root_dir))
-    ckpt_dir = checkpoint_dir if checkpoint_dir is not None else _join(fs, str(root_dir), "checkpoints")
-    _, dpath = url_to_fs(str(ckpt_dir))
-    hpc = [p for p in _ls(fs, root) if p.rsplit("/", 1)[-1].startswith("hpc_ckpt_")]
+    root_dir = str(root_dir)
+    fs, _ = url_to_fs(root_dir)
+    ckpt_dir = str(checkpoint_dir) if checkpoint_dir is not None else _join(fs, root_dir, "checkpoints")
+    # Paths are spelled as the run directory was given (relative stays relative): every rank resolves the
+    # chosen one itself, and messages name what the user wrote.
+    names = [_join(fs, ckpt_dir, n) for n in _names(fs, ckpt_dir) if n.endswith(".ckpt")]
+    names += [_join(fs, root_dir, n) for n in _names(fs, root_dir) if n.startswith("hpc_ckpt_") and n.endswith(".ckpt")]
     found: dict[str, tuple[int, int, str]] = {}
-    for p in [*_ls(fs, dpath), *hpc]:
-        if not p.endswith(".ckpt"):
-            continue
-        name = p if "file" in _protocols(fs) else fs.unstrip_protocol(p)
+    for name in names:
         try:
             step = checkpoint_step(name)
         except ValueError:
@@ -153,13 +153,10 @@ def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list
     return [(step, name) for step, _, name in ordered]
 
 
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-
-
-def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+def _names(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
+    """The entry names (no directories) of ``directory``, local or through fsspec; none if it is missing."""
     try:
-        return [p for p in fs.ls(path, detail=False)]
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(url_to_fs(directory)[1], detail=False)]
     except FileNotFoundError:
         return []
 

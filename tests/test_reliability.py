@@ -1,0 +1,314 @@
+"""Faults at moments nobody chose, on one rank: signals and kills at random times, ranks that disagree on the
+resume point, checkpoints whose file times lie, an exception on one rank, and the bad inputs that used to end
+in a traceback."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from lit_ddp.checkpointing import checkpoint_step, find_resume_checkpoint
+from tests import helpers
+from tests.helpers import QUIET, compose, load_records, torchrun
+from tests.test_fault_tolerance import assert_same_params, mingpt_args, regression_args
+
+STARTED = "Starting with 2 processes"  # Lightning's line once every rank has joined the process group
+
+
+class Watched:
+    """A started process whose merged output is read line by line in a thread, so the test can wait for a
+    line and act at a random moment after it."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.lines = proc, []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, count: int, timeout: float) -> bool:
+        """Waits until ``text`` appeared ``count`` times; False if the process ended first."""
+        deadline = time.monotonic() + timeout
+        while sum(text in line for line in self.lines) < count:
+            if self.proc.poll() is not None:
+                return False
+            assert time.monotonic() < deadline, f"no {count}x {text!r}:\n{self.output[-3000:]}"
+            time.sleep(0.05)
+        return True
+
+    def finish(self, timeout: float) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            helpers.kill_group(self.proc)
+            self._reader.join(10)
+        return self.proc.returncode
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def workers(proc: subprocess.Popen) -> list[int]:
+    """The pids of torchrun's worker processes under ``proc``."""
+    found = []
+    for pid in helpers.descendants(proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"lit_ddp" in cmdline and b"-u" in cmdline:
+            found.append(pid)
+    return found
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarts must work without it (lit_ddp.elastic).
+    return torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
+                    "-m", "lit_ddp", "fit", *args)  # fmt: skip
+
+
+def task_args(task: str, text: Path, steps: int) -> list[str]:
+    return regression_args(steps, 10) if task == "regression" else mingpt_args(steps, 10, text)
+
+
+@pytest.fixture
+def text(tmp_path: Path) -> Path:
+    from lit_ddp.data.sources import read_embedded_text
+
+    path = tmp_path / "tiny.txt"
+    path.write_text(read_embedded_text()[:6000])
+    return path
+
+
+# ---- torchrun: random SIGKILLs, a SIGTERM to the agent
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("task", "steps", "repeats"), [("regression", 400, 3), ("mingpt", 150, 2)])
+def test_torchrun_random_kills_end_exact_and_exit_zero(
+    task: str, steps: int, repeats: int, tmp_path: Path, runner: helpers.Runner, recorder, text: Path
+) -> None:
+    """Three SIGKILLs of a random worker at random moments: torchrun restarts the group each time, the run
+    ends with status 0 on every process, bit-identical to an uninterrupted run; several times over."""
+    args = task_args(task, text, steps)
+    ref_cb, ref_rec = recorder("ref")
+    out = runner.run(
+        torchrun_cmd(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref")), 200
+    )
+    assert out.returncode == 0, out.stdout[-3000:]
+    reference = load_records(ref_rec)
+    rng = random.Random(int(os.environ.get("LIT_DDP_TEST_SEED", time.time_ns())))
+    for attempt in range(repeats):
+        cb, rec = recorder(f"run{attempt}")
+        root = tmp_path / f"run{attempt}"
+        watched = Watched(
+            runner.start(torchrun_cmd(*args, "--config", str(cb), "--trainer.default_root_dir", str(root)))
+        )
+        for kill in range(3):
+            if not watched.wait_for(STARTED, kill + 1, 120):
+                break
+            time.sleep(rng.uniform(0.5, 4.0))
+            if pids := workers(watched.proc):
+                os.kill(rng.choice(pids), signal.SIGKILL)
+        code = watched.finish(300)
+        assert code == 0, f"attempt {attempt}: torchrun exited {code}\n{watched.output[-4000:]}"
+        assert "terminate called" not in watched.output
+        assert_same_params(load_records(rec), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_sigterm_to_torchrun_saves_fails_and_resumes_exactly(
+    tmp_path: Path, runner: helpers.Runner, recorder, text: Path
+) -> None:
+    """SIGTERM to the torchrun agent mid-run: the workers save at the next step, the job exits with a failure
+    status, and re-running the command resumes from that checkpoint and ends as an uninterrupted run."""
+    args = task_args("regression", text, 400)
+    ref_cb, ref_rec = recorder("ref")
+    out = runner.run(
+        torchrun_cmd(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref")), 200
+    )
+    assert out.returncode == 0, out.stdout[-3000:]
+
+    root = tmp_path / "run"
+    cb, rec = recorder("run")
+    cmd = torchrun_cmd(*args, "--config", str(cb), "--trainer.default_root_dir", str(root))
+    watched = Watched(runner.start(cmd))
+    assert watched.wait_for(STARTED, 1, 120)
+    time.sleep(random.uniform(1.0, 3.0))
+    watched.proc.send_signal(signal.SIGTERM)  # the agent: torchrun forwards SIGTERM to its workers
+    code = watched.finish(120)
+    assert code != 0, watched.output[-3000:]
+    assert "stopped by SIGTERM at a step boundary" in watched.output, watched.output[-3000:]
+    [hpc] = list(root.glob("hpc_ckpt_*.ckpt"))
+    out = runner.run(cmd, 200)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert f"Resuming from {hpc}" in out.stdout
+    assert_same_params(load_records(rec), load_records(ref_rec))
+
+
+# ---- the resume point
+
+
+def save_steps(directory: Path, steps: dict[str, int]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, step in steps.items():
+        torch.save({"global_step": step, "epoch": 0}, directory / name)
+
+
+def test_resume_order_is_by_recorded_step_not_file_time(tmp_path: Path) -> None:
+    """Copied run directories and 1-second object-store times reorder files; the recorded step does not."""
+    run = tmp_path / "run"
+    save_steps(run / "checkpoints", {"epoch=0-step=9.ckpt": 9, "epoch=0-step=12.ckpt": 12, "last.ckpt": 12})
+    save_steps(run, {"hpc_ckpt_9.ckpt": 9, "hpc_ckpt_10.ckpt": 10})
+    now = time.time()
+    for age, path in enumerate(sorted(run.rglob("*.ckpt"), reverse=True)):  # step=9 newest, last.ckpt oldest
+        os.utime(path, (now - age, now - age))
+    assert find_resume_checkpoint(str(run)) == str(run / "checkpoints" / "last.ckpt")
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, copy_function=shutil.copy)  # new, nearly equal times
+    for path in copy.rglob("*.ckpt"):
+        os.utime(path, (now, now))
+    assert find_resume_checkpoint(str(copy)) == str(copy / "checkpoints" / "last.ckpt")
+    (copy / "checkpoints" / "last.ckpt").unlink()
+    assert find_resume_checkpoint(str(copy)) == str(copy / "checkpoints" / "epoch=0-step=12.ckpt")
+    for name in ("epoch=0-step=12.ckpt",):
+        (copy / "checkpoints" / name).unlink()
+    assert find_resume_checkpoint(str(copy)) == str(copy / "hpc_ckpt_10.ckpt"), "hpc_ckpt_10 beats hpc_ckpt_9"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_ranks_that_see_different_checkpoints_stop(tmp_path: Path, runner: helpers.Runner) -> None:
+    """Each rank runs in its own directory (``tests/rank_cwd.py``), as on nodes without shared storage: rank 1
+    cannot read the checkpoint rank 0 chose, so both stop before any step, naming the path and rank 1."""
+    args = [*regression_args(20, 10), "--trainer.default_root_dir", "run"]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = runner.run(torchrun_cmd(*args), 200, cwd=shared)
+    assert out.returncode == 0, out.stdout[-3000:]
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    shutil.copytree(shared, node0)
+    shutil.copytree(shared, node1)
+    for path in (node1 / "run" / "checkpoints").glob("*.ckpt"):
+        if checkpoint_step(str(path)) >= 20:
+            path.unlink()  # rank 1's "node" lags behind: its newest checkpoint is step 10
+    before = {p: p.stat().st_mtime_ns for p in (node0 / "run").rglob("*.ckpt")}
+    cmd = torchrun("--standalone", "--nproc_per_node", "2", "-m", "tests.rank_cwd", "fit", *args)
+    out = runner.run(cmd, 200, cwd=tmp_path, LIT_DDP_RANK_DIRS=f"{node0},{node1}")
+    assert out.returncode != 0
+    assert "rank 0 chose to resume from run/checkpoints/last.ckpt, which rank 1 on" in out.stdout, out.stdout[-3000:]
+    assert "must be on storage that every node shares" in out.stdout
+    assert {p: p.stat().st_mtime_ns for p in (node0 / "run").rglob("*.ckpt")} == before, "no step ran, nothing saved"
+
+
+# ---- failures
+
+
+class RaiseAtStep(Callback):
+    """Raises ``RuntimeError`` in ``on_train_batch_start`` on rank ``rank`` at ``global_step == step``, after
+    writing the time to ``marker``.
+
+    Args:
+        step: the global step.
+        rank: the global rank that fails.
+        marker: file that receives ``time.time()`` when it raises.
+    """
+
+    def __init__(self, step: int, rank: int, marker: str) -> None:
+        self.step, self.rank, self.marker = step, rank, marker
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            Path(self.marker).write_text(str(time.time()))
+            raise RuntimeError(f"injected failure at step {self.step}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_exception_on_rank_1_ends_the_run_quickly(tmp_path: Path, runner: helpers.Runner, callbacks_config) -> None:
+    marker = tmp_path / "raised"
+    cb = callbacks_config("raise", helpers.callback(RaiseAtStep, step=15, rank=1, marker=str(marker)))
+    proc = runner.start(helpers.lit_ddp("fit", *compose("trainer/ddp", "regression/ddp"), "--config", str(cb),
+                                        "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET))  # fmt: skip
+    out = helpers.wait(proc, 150)
+    ended = time.time()
+    assert out.returncode not in (0, None)
+    assert ended - float(marker.read_text()) < 30, "the job ends within seconds, not at the collective timeout"
+    assert "lit-ddp: error: rank 1 on" in out.stdout and "RuntimeError: injected failure at step 15" in out.stdout
+    last = out.stdout.strip().splitlines()[-3:]
+    assert any("injected failure" in line or "rank 1" in line for line in last), last
+    assert out.stdout.count("Traceback") == 1, "only the failing rank prints a traceback"
+
+
+# ---- bad inputs
+
+
+@pytest.fixture(scope="module")
+def regression_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A regression checkpoint written with learning_rate 0.05 (one epoch, one process)."""
+    from lit_ddp.cli import cli_main
+
+    root = tmp_path_factory.mktemp("regression")
+    cli_main(["fit", *compose("regression/single_device"), "--trainer.max_epochs", "1", *QUIET,
+              "--model.init_args.learning_rate", "0.05", "--trainer.default_root_dir", str(root)])  # fmt: skip
+    return root / "checkpoints" / "last.ckpt"
+
+
+def usage_error(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """The one ``lit-ddp: error:`` line of a CLI call that must stop with status 2 before anything starts."""
+    from lit_ddp.cli import cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(list(args))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-2000:]
+    assert "Traceback" not in err
+    [line] = [line for line in err.splitlines() if line.startswith("lit-ddp: error:")]
+    return line
+
+
+def test_checkpoint_of_another_task_is_refused(regression_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    line = usage_error(capsys, "fit", *compose("trainer/ddp", "mingpt/cpu"), "--ckpt_path", str(regression_checkpoint))
+    assert "lit_ddp.tasks.regression.RegressionModule" in line and "lit_ddp.tasks.mingpt.GPTModule" in line
+
+
+def test_restored_hyperparameter_that_replaces_a_given_value_is_named(
+    regression_checkpoint: Path, tmp_path: Path
+) -> None:
+    from lit_ddp.cli import cli_main
+
+    with pytest.warns(UserWarning, match=r"model.init_args.learning_rate=0.05 replaces the configured 0.001"):
+        cli_main(["fit", *compose("regression/single_device"), "--ckpt_path", str(regression_checkpoint),
+                  "--model.init_args.learning_rate", "0.001", "--trainer.max_epochs", "1", *QUIET,
+                  "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_epochs: 3\n  devices: [1\n")
+    line = usage_error(capsys, "fit", *compose("trainer/ddp", "regression/ddp"), "--config", str(bad))
+    assert f"config {bad} is not valid YAML (line 4" in line
+
+
+def test_data_path_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    line = usage_error(capsys, "fit", *compose("trainer/ddp", "mingpt/cpu"), "--data.init_args.path", str(tmp_path))
+    assert f"data path {tmp_path} is a directory" in line
