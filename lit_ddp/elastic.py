@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 
 
 def init_process_group_on_shared_store(backend: str, timeout: timedelta, env: Mapping[str, str] | None = None) -> bool:
@@ -42,4 +43,6 @@ def init_process_group_on_shared_store(backend: str, timeout: timedelta, env: Ma
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(f"lit_ddp/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
+    # Lightning's own line, which it skips for a group that exists (users and tests look for it).
+    rank_zero_info(f"All distributed processes registered. Starting with {world_size} processes")
     return True

@@ -119,13 +119,15 @@ def test_torchrun_random_kills_end_exact_and_exit_zero(
         watched = Watched(
             runner.start(torchrun_cmd(*args, "--config", str(cb), "--trainer.default_root_dir", str(root)))
         )
+        killed = 0
         for kill in range(3):
-            if not watched.wait_for(STARTED, kill + 1, 120):
-                break
+            assert watched.wait_for(STARTED, kill + 1, 120), f"the run ended before kill {kill}: make it longer"
             time.sleep(rng.uniform(0.5, 4.0))
             if pids := workers(watched.proc):
                 os.kill(rng.choice(pids), signal.SIGKILL)
+                killed += 1
         code = watched.finish(300)
+        assert killed == 3 and watched.output.count(STARTED) == 4, watched.output[-4000:]
         assert code == 0, f"attempt {attempt}: torchrun exited {code}\n{watched.output[-4000:]}"
         assert "terminate called" not in watched.output
         assert_same_params(load_records(rec), reference)
@@ -150,7 +152,7 @@ def test_sigterm_to_torchrun_saves_fails_and_resumes_exactly(
     cb, rec = recorder("run")
     cmd = torchrun_cmd(*args, "--config", str(cb), "--trainer.default_root_dir", str(root))
     watched = Watched(runner.start(cmd))
-    assert watched.wait_for(STARTED, 1, 120)
+    assert watched.wait_for(STARTED, 1, 120), watched.output[-3000:]
     time.sleep(random.uniform(1.0, 3.0))
     watched.proc.send_signal(signal.SIGTERM)  # the agent: torchrun forwards SIGTERM to its workers
     code = watched.finish(120)

@@ -1,0 +1,98 @@
+"""Preemption at moments nobody chose, on the real local Slurm: ``scancel --signal=USR1`` three times in a
+2-task job's life, each after a random delay (during start-up, a step, validation or a save, whatever it
+hits); the job requeues each time and ends bit-identical to an uninterrupted job. Both tasks; the four jobs
+run side by side to keep the suite short."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import QUIET, TINY_GPT_ARGS, load_records, recorder_config
+from tests.helpers_slurm import cancel, job_info, require_cluster, sbatch, wait_job_done
+
+SIGNALS = 3
+FT = ["--config", "configs/checkpoint/fault_tolerant.yaml"]  # after CONFIG: train.sbatch passes it on
+TASKS = {
+    "regression": ["configs/regression/slurm.yaml", *FT, "--trainer.max_epochs", "60", *QUIET],
+    "mingpt": [
+        "configs/mingpt/slurm.yaml", *FT, *TINY_GPT_ARGS, "--model.init_args.sample_tokens", "0",
+        "--trainer.max_epochs", "-1", "--trainer.max_steps", "1200", "--trainer.val_check_interval", "200",
+        "--trainer.limit_val_batches", "4",
+    ],
+}  # fmt: skip
+
+
+def submit(tmp: Path, task: str, name: str) -> tuple[str, Path, Path, Path]:
+    cb, rec = recorder_config(tmp, name)
+    out, root = tmp / f"{name}.out", tmp / name / "run"
+    args = [*TASKS[task], "--config", str(cb), "--trainer.default_root_dir", str(root)]
+    job = sbatch("slurm/train.sbatch", args, ["-J", f"{name}-{uuid.uuid4().hex[:6]}", "-o", str(out), "-N1",
+                                              "--ntasks-per-node=2"])  # fmt: skip
+    return job, out, rec, root
+
+
+def preempt(job: str, rng: random.Random, out: Path) -> list[float]:
+    """Sends USR1 after a random delay into each of the job's first ``SIGNALS`` runs; waits for each requeue
+    (a signal sent before any task exists reaches nobody and is sent again). Returns the delays."""
+    delays = []
+    for restarts in range(SIGNALS):
+        deadline = time.monotonic() + 240
+        while (info := job_info(job)).get("JobState") != "RUNNING" or info.get("Restarts") != str(restarts):
+            assert info.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), (info, out.read_text()[-3000:])
+            assert time.monotonic() < deadline, f"run {restarts} of job {job} did not start"
+            time.sleep(0.2)
+        delays.append(rng.uniform(1.0, 15.0))
+        time.sleep(delays[-1])
+        while job_info(job).get("Restarts") == str(restarts):
+            assert job_info(job).get("JobState") == "RUNNING", (job_info(job), out.read_text()[-3000:])
+            subprocess.run(["scancel", "--signal=USR1", job], capture_output=True, timeout=15, check=False)
+            time.sleep(5)
+    return delays
+
+
+@pytest.mark.slurm
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_random_preemptions_requeue_and_end_exact(tmp_path: Path) -> None:
+    require_cluster()
+    rng = random.Random(int(os.environ.get("LIT_DDP_TEST_SEED", time.time_ns())))
+    jobs = {}
+    try:
+        for task in TASKS:
+            jobs[f"{task}-ref"] = submit(tmp_path, task, f"{task}-ref")
+            jobs[f"{task}-pre"] = submit(tmp_path, task, f"{task}-pre")
+        with ThreadPoolExecutor(len(TASKS)) as pool:  # both preempted jobs at once, each with its own delays
+            futures = {
+                task: pool.submit(preempt, jobs[f"{task}-pre"][0], random.Random(rng.random()), jobs[f"{task}-pre"][1])
+                for task in TASKS
+            }
+            for task, future in futures.items():
+                print(f"{task}: USR1 after {[round(d, 1) for d in future.result()]} s into runs 0-{SIGNALS - 1}")
+        final = {name: wait_job_done(job, 600, out) for name, (job, out, _, _) in jobs.items()}
+    finally:
+        for job, *_ in jobs.values():
+            cancel(job)
+    for task in TASKS:
+        (_, ref_out, ref_rec, _), (job, out, rec, root) = jobs[f"{task}-ref"], jobs[f"{task}-pre"]
+        log = out.read_text()
+        assert final[f"{task}-ref"]["JobState"] == "COMPLETED", ref_out.read_text()[-3000:]
+        assert final[f"{task}-pre"]["JobState"] == "COMPLETED", log[-5000:]
+        assert final[f"{task}-pre"]["Restarts"] == str(SIGNALS)
+        assert log.count(f"Requeued Slurm job {job}") == SIGNALS, log[-5000:]
+        # Each run saved at a step boundary (the requeue may end the tasks before they print anything more).
+        assert log.count("SIGUSR1 received: saving") == SIGNALS, log[-5000:]
+        assert len(list(root.glob("hpc_ckpt_*.ckpt"))) == SIGNALS
+        resumed, reference = load_records(rec), load_records(ref_rec)
+        assert [r["global_step"] for r in resumed] == [r["global_step"] for r in reference]
+        for a, b in zip(resumed, reference, strict=True):
+            differing = [k for k, v in b["params"].items() if not torch.equal(v, a["params"][k])]
+            assert not differing, f"{task}: parameters differ from the uninterrupted job: {differing}"
