@@ -17,7 +17,6 @@ validation off. Run: ``python -m bench.checkpoint_overhead`` (``make bench``).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -29,9 +28,11 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lit_ddp.cli import LitDDPCLI
+from lit_ddp.data.sources import DATA_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+# The configs as `make train` composes them (the Makefile's CONFIGS); the run below makes it one process.
+CONFIGS = ["configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml"]
 VARIANTS = {
     "none": None,
     "sync": "lit_ddp.checkpointing.AtomicCheckpointIO",
@@ -61,9 +62,10 @@ def _timed(fn: Any, sink: list[float]) -> Any:
 
 
 def run_variant(name: str, steps: int, every: int, root: Path, data: str | None) -> dict[str, float]:
-    """One training run of ``steps`` optimizer steps; returns its times (seconds) and save count."""
+    """One training run of ``steps`` optimizer steps on the text at ``data`` (None: ``$LIT_DDP_DATA``,
+    else the embedded Tiny Shakespeare); returns its times (seconds) and save count."""
     args = [
-        "--config", str(REPO / "configs/mingpt/cpu.yaml"),
+        *(arg for config in CONFIGS for arg in ("--config", str(REPO / config))),
         "--trainer.devices", "1", "--trainer.strategy", "auto",
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
         "--trainer.enable_progress_bar", "false",
@@ -74,7 +76,7 @@ def run_variant(name: str, steps: int, every: int, root: Path, data: str | None)
         "--checkpoint.every_n_epochs", "0",
     ]  # fmt: skip
     if data:
-        args += ["--data.init_args.data", data]
+        args += ["--data.init_args.path", data]
     if VARIANTS[name] is None:
         args += ["--checkpoint.every_n_train_steps", "0", "--checkpoint.save_last", "false"]
     else:
@@ -107,18 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the three variants")
     parser.add_argument(
-        "--data", default=None, help="text file (default: $LIT_DDP_DATA, the shared copy, else download)"
+        "--data", default=None, help=f"text path or URL (default: ${DATA_ENV}, else the embedded Tiny Shakespeare)"
     )
     ns = parser.parse_args(argv)
-    data = ns.data or os.environ.get("LIT_DDP_DATA") or (str(SHARED_TEXT) if SHARED_TEXT.exists() else None)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as tmp:
-        run_variant("none", 10, ns.every, Path(tmp) / "warmup", data)  # imports, allocator, first-step costs
+        run_variant("none", 10, ns.every, Path(tmp) / "warmup", ns.data)  # imports, allocator, first-step costs
         names = list(VARIANTS)
         for r in range(ns.rounds):
             for name in names[r % 3 :] + names[: r % 3]:  # each round in another order
-                res = run_variant(name, ns.steps, ns.every, Path(tmp) / f"r{r}", data)
+                res = run_variant(name, ns.steps, ns.every, Path(tmp) / f"r{r}", ns.data)
                 results[name].append(res)
                 print(f"round {r} {name:>5}: {res}", file=sys.stderr)
         ckpt_size = max((p.stat().st_size for p in Path(tmp).rglob("last.ckpt")), default=0)  # bytes

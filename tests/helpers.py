@@ -1,7 +1,7 @@
-"""Test-only callbacks and subprocess helpers, shared by the tests that run the CLI.
+"""Plain helpers and constants of the tests, defined once: paths, tiny-run arguments, config composition, the
+subprocess runner, and reading back what the recorder callbacks (:mod:`tests.callbacks`) wrote.
 
-The callbacks are passed to a CLI run through a YAML fragment (``trainer.callbacks``), so the training
-process itself records what each rank saw; the test reads the files back.
+Fixtures built on these live in ``tests/conftest.py``.
 """
 
 from __future__ import annotations
@@ -9,108 +9,43 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+CONFIGS = REPO / "configs"
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+# A tiny GPT and a small slice of text: seconds per run on 2 cores.
+TINY_GPT_ARGS = [
+    "--model.init_args.n_layer", "1",
+    "--model.init_args.n_head", "2",
+    "--model.init_args.n_embd", "16",
+    "--model.init_args.sample_tokens", "20",
+    "--data.init_args.block_size", "16",
+    "--data.init_args.batch_size", "8",
+    "--data.init_args.truncate", "0.02",
+    *QUIET,
+]  # fmt: skip
+# Environment variables of a launcher that a child process must not inherit from the test's own environment.
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
 
-class RecordRun(Callback):
-    """Writes ``<out_dir>/rank<R>.pt`` at the end of fit: world size, cluster environment, the inputs each
-    training epoch fed this rank, and the final parameters.
-
-    Args:
-        out_dir: where to write; created if missing.
-    """
-
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-        self.epochs: dict[int, list[torch.Tensor]] = {}
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        self.epochs.setdefault(trainer.current_epoch, []).append(batch[0].detach().cpu().clone())
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        os.makedirs(self.out_dir, exist_ok=True)
-        record = {
-            "world_size": trainer.world_size,
-            "global_rank": trainer.global_rank,
-            "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
-            "epochs": {e: torch.cat(xs) for e, xs in self.epochs.items()},
-            "global_step": trainer.global_step,
-            "params": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
-        }
-        torch.save(record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+def config(name: str) -> str:
+    """The path of ``configs/<name>.yaml`` (``name`` as ``"trainer/ddp"``)."""
+    path = CONFIGS / f"{name}.yaml"
+    assert path.is_file(), f"no config {path}"
+    return str(path)
 
 
-class KillAtEpochStart(Callback):
-    """SIGKILLs its own process when training epoch ``epoch`` starts, as a crash or an OOM kill would.
-
-    Args:
-        epoch: the zero-based epoch at whose start to die.
-    """
-
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.current_epoch == self.epoch:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """The test environment for a child process: the repo importable (for ``tests.helpers``), quiet."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["PYTHONUNBUFFERED"] = "1"
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(key, None)
-    env.update(extra)
-    return env
-
-
-def run(cmd: list[str], timeout: float, cwd: str | Path = REPO, **env: str) -> subprocess.CompletedProcess:
-    """Runs ``cmd`` in its own process group; on timeout the whole group is killed and the test fails.
-
-    Returns the completed process with ``stdout`` (stderr merged) as text.
-    """
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=subprocess_env(**env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{cmd} did not finish in {timeout} s; output:\n{out[-5000:]}") from None
-    finally:
-        kill_group(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILLs the process group of ``proc`` (it must have been started with ``start_new_session``)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def compose(*names: str) -> list[str]:
+    """``--config`` arguments composing ``configs/<name>.yaml`` in order (later ones override earlier ones), as
+    the README composes them: ``compose("trainer/ddp", "regression/ddp")``."""
+    return [arg for name in names for arg in ("--config", config(name))]
 
 
 def lit_ddp(*args: str) -> list[str]:
@@ -118,10 +53,173 @@ def lit_ddp(*args: str) -> list[str]:
     return [sys.executable, "-m", "lit_ddp", *args]
 
 
-def write_callbacks_config(path: Path, *callbacks: tuple[str, dict]) -> Path:
+def torchrun(*args: str) -> list[str]:
+    """The command line of ``torchrun ARGS`` (``python -m torch.distributed.run``) with this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: the repo importable (for ``tests.callbacks``), unbuffered output,
+    no launcher variables inherited, plus ``extra``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    for key in LAUNCH_ENV:
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def start(
+    cmd: list[str], cwd: str | Path = REPO, env: Mapping[str, str] | None = None, **popen: Any
+) -> subprocess.Popen:
+    """Starts ``cmd`` in a new session (its own process group, so that :func:`kill_group` reaches every
+    process it starts), stdout and stderr merged as text.
+
+    Args:
+        cmd: the command line.
+        cwd: its working directory.
+        env: its whole environment; None: :func:`subprocess_env`.
+        popen: overrides of the other ``subprocess.Popen`` arguments (e.g. ``stdout=subprocess.DEVNULL`` for a
+            server whose output nobody reads).
+    """
+    kwargs: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    kwargs.update(popen)
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=dict(subprocess_env() if env is None else env), start_new_session=True, **kwargs
+    )
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of every live descendant of ``pid`` (from ``/proc``; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILLs the process group of ``proc`` (started by :func:`start`) and, while ``proc`` still runs, every
+    descendant of it in another session too (torchrun starts each worker in a new session); never raises."""
+    stray = descendants(proc.pid) if proc.poll() is None else []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in stray:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait(proc: subprocess.Popen, timeout: float, term_grace: float = 0.0) -> subprocess.CompletedProcess:
+    """Waits for ``proc`` (from :func:`start`) and returns its output; its process group is killed in any case,
+    so nothing it started is left behind.
+
+    Args:
+        proc: the process.
+        timeout: seconds to wait; then the test fails with the output's tail.
+        term_grace: on timeout, first SIGTERM ``proc`` alone and wait this long (``srun`` forwards it and ends
+            its job step); 0 kills the group at once.
+
+    Raises:
+        AssertionError: ``proc`` did not finish within ``timeout`` seconds.
+    """
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if term_grace > 0:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=term_grace)
+        kill_group(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{proc.args} did not finish in {timeout} s; output:\n{(out or '')[-5000:]}") from None
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def run(cmd: list[str], timeout: float, cwd: str | Path = REPO, **env: str) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` (environment :func:`subprocess_env` plus ``env``) to its end, or fails the test after
+    ``timeout`` seconds; its whole process group is killed either way. ``stdout`` holds stdout and stderr."""
+    return wait(start(cmd, cwd, subprocess_env(**env)), timeout)
+
+
+class Runner:
+    """Starts subprocesses in their own process groups and kills every group it started when the test ends,
+    so that no process is left behind whatever happens (see :func:`start`); the ``runner`` fixture
+    (``tests/conftest.py``) gives each test one."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], cwd: str | Path = REPO, **env: str) -> subprocess.Popen:
+        """Starts ``cmd`` (environment :func:`subprocess_env` plus ``env``), stdout and stderr
+        merged into ``proc.stdout``."""
+        return self.track(start(cmd, cwd, subprocess_env(**env)))
+
+    def track(self, proc: subprocess.Popen) -> subprocess.Popen:
+        """Kills ``proc``'s process group at the end of the test too."""
+        self.procs.append(proc)
+        return proc
+
+    def run(self, cmd: list[str], timeout: float, cwd: str | Path = REPO, **env: str) -> subprocess.CompletedProcess:
+        """Runs ``cmd`` to its end, or fails the test after ``timeout`` seconds (:func:`wait`)."""
+        return wait(self.start(cmd, cwd, **env), timeout)
+
+    def fit(self, *args: str, timeout: float, cwd: str | Path = REPO, **env: str) -> subprocess.CompletedProcess:
+        """Runs ``python -m lit_ddp fit ARGS`` to its end (see :meth:`run`)."""
+        return self.run(lit_ddp("fit", *args), timeout, cwd, **env)
+
+    def close(self) -> None:
+        """Kills every process group started here and reaps the processes."""
+        for proc in self.procs:
+            kill_group(proc)
+            if proc.stdout is not None:
+                proc.stdout.close()
+            proc.wait(timeout=30)
+
+
+def callback(cls: type, **init_args: Any) -> tuple[str, dict[str, Any]]:
+    """The ``(class_path, init_args)`` of a callback class (of :mod:`tests.callbacks`) for
+    :func:`write_callbacks_config`."""
+    return f"{cls.__module__}.{cls.__qualname__}", init_args
+
+
+def write_callbacks_config(path: Path, *callbacks: tuple[str, dict[str, Any]]) -> Path:
     """A YAML fragment setting ``trainer.callbacks`` to the given ``(class_path, init_args)`` pairs."""
     import yaml
 
     doc = {"trainer": {"callbacks": [{"class_path": c, "init_args": a} for c, a in callbacks]}}
     path.write_text(yaml.safe_dump(doc))
     return path
+
+
+def recorder_config(directory: Path, name: str, *extra: tuple[str, dict[str, Any]]) -> tuple[Path, Path]:
+    """A YAML fragment ``<directory>/<name>.yaml`` with :class:`tests.callbacks.RecordRun` writing into
+    ``<directory>/<name>/rec``, plus the ``extra`` callbacks; returns (fragment, record directory)."""
+    from tests.callbacks import RecordRun
+
+    rec = directory / name / "rec"
+    return write_callbacks_config(directory / f"{name}.yaml", callback(RecordRun, out_dir=str(rec)), *extra), rec
+
+
+def load_records(out_dir: str | Path) -> list[dict]:
+    """The :class:`tests.callbacks.RecordRun` files of a run, by rank."""
+    files = sorted(Path(out_dir).glob("rank*.pt"), key=lambda p: int(p.stem[len("rank") :]))
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def tensorboard_steps(run_dir: str | Path) -> dict[str, list[int]]:
+    """Every scalar tag of a run directory and the steps it was logged at, as TensorBoard shows them
+    (orphaned points of a killed run purged), in file order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -1,26 +1,21 @@
-"""Helpers for the tests against a real Slurm cluster (``slurm/local_cluster.sh start``).
+"""Slurm-specific helpers for the tests against a real Slurm cluster (``slurm/local_cluster.sh start``).
 
-Every Slurm call has a timeout; jobs are cancelled by the caller in a ``finally``. Training-side callbacks
-(:class:`PauseForSignal`, :class:`RecordStart`, :class:`KillWorkerOnce`) are passed to the CLI through a
-YAML fragment (``tests.helpers.write_callbacks_config``) and write what they saw as files the test reads.
+Every Slurm call has a timeout; jobs are cancelled by the caller in a ``finally``. The training-side
+callbacks (``RecordStart``, ``PauseForSignal``, ``KillAtEpochStart``...) are in :mod:`tests.callbacks`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import Callback, LightningModule, Trainer
 
-from tests.helpers import REPO, subprocess_env
+from tests.helpers import REPO, start, subprocess_env, wait
 
 VENV_BIN = Path(sys.executable).parent
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -112,107 +107,12 @@ def cancel(job_id: str | None) -> None:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=15, check=False)
 
 
-def restart_count() -> int:
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-
-
-class RecordStart(Callback):
-    """Writes ``<out_dir>/start_r<restart>_rank<R>.json`` when fit starts: where this (re)run begins.
-
-    Args:
-        out_dir: where to write; created if missing.
-    """
-
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        os.makedirs(self.out_dir, exist_ok=True)
-        record = {
-            "global_step": trainer.global_step,
-            "epoch": trainer.current_epoch,
-            "restart_count": os.environ.get("SLURM_RESTART_COUNT"),
-            "torchelastic_restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
-            "world_size": trainer.world_size,
-            "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
-        }
-        name = f"start_r{restart_count()}_t{record['torchelastic_restart_count'] or 0}_rank{trainer.global_rank}"
-        Path(self.out_dir, name + ".json").write_text(json.dumps(record))
-
-
-class PauseForSignal(Callback):
-    """On the first run of a job only, stops every rank after training step ``step`` and waits there.
-
-    Each rank writes ``<out_dir>/paused_rank<R>`` and then sleeps in short slices, so the test can send
-    ``scancel --signal=USR1`` at a known step, and Lightning's handler (which saves a checkpoint collectively)
-    runs on all ranks at the same point. Gives up after ``max_wait`` seconds.
-
-    Args:
-        step: the global step after which to wait.
-        out_dir: where the marker files go.
-        max_wait: seconds to wait for the signal at most.
-    """
-
-    def __init__(self, step: int, out_dir: str, max_wait: float = 120.0) -> None:
-        self.step = step
-        self.out_dir = out_dir
-        self.max_wait = max_wait
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        if trainer.global_step != self.step or restart_count() != 0:
-            return
-        os.makedirs(self.out_dir, exist_ok=True)
-        Path(self.out_dir, f"paused_rank{trainer.global_rank}").write_text(str(os.getpid()))
-        deadline = time.monotonic() + self.max_wait
-        while time.monotonic() < deadline:  # Python-level sleep: signal handlers run between slices
-            time.sleep(0.1)
-
-
-class KillWorkerOnce(Callback):
-    """SIGKILLs global rank ``rank`` when training epoch ``epoch`` starts, once per run directory.
-
-    A marker file (written before the kill) keeps the restarted workers from dying again.
-
-    Args:
-        epoch: the zero-based epoch at whose start to die.
-        rank: the global rank that dies.
-        marker: the marker file's path.
-    """
-
-    def __init__(self, epoch: int, rank: int, marker: str) -> None:
-        self.epoch = epoch
-        self.rank = rank
-        self.marker = marker
-
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.current_epoch == self.epoch and trainer.global_rank == self.rank and not os.path.exists(self.marker):
-            Path(self.marker).write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def run_srun(cmd: list[str], timeout: float, job_name: str) -> subprocess.CompletedProcess:
-    """Runs an ``srun`` command line with output captured; on timeout, or whatever happens, the job named
-    ``job_name`` is cancelled and the process group killed.
+    """Runs an ``srun`` command line with output captured (:func:`tests.helpers.wait`; on timeout srun gets a
+    SIGTERM first, which it forwards to the job step); whatever happens, the job named ``job_name`` is
+    cancelled and the process group killed.
     """
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=slurm_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # srun forwards it and ends the step
-        out = ""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            out, _ = proc.communicate(timeout=15)
-        raise AssertionError(f"{cmd} did not finish in {timeout} s; output:\n{out[-5000:]}") from None
+        return wait(start(cmd, env=slurm_env()), timeout, term_grace=15)
     finally:
         subprocess.run(["scancel", "--name", job_name], capture_output=True, timeout=15, check=False)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)

@@ -4,36 +4,33 @@ a non-zero exit (2 for usage errors), no process left running, no saved checkpoi
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback
 
-from tests.helpers import REPO, SHARED_TEXT, lit_ddp, run, write_callbacks_config
+from tests.callbacks import PoisonAtStep
+from tests.helpers import QUIET, Runner, callback, compose, lit_ddp
 
-REG = str(REPO / "configs" / "regression" / "single_device.yaml")
-REG_DDP = str(REPO / "configs" / "regression" / "ddp.yaml")
-GPT = str(REPO / "configs" / "mingpt" / "cpu.yaml")
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-
-
-class PoisonAtStep(Callback):
-    """Test-only: sets the first parameter to NaN once ``global_step`` reaches ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            with torch.no_grad():
-                next(pl_module.parameters()).fill_(float("nan"))
+REG = ["regression/single_device"]
+REG_DDP = ["trainer/ddp", "regression/ddp"]
+GPT = ["trainer/ddp", "mingpt/cpu"]  # as `make train` composes them
 
 
-def fit(tmp_path: Path, *args: str, timeout: float = 90, **env: str):
-    out = run(lit_ddp("fit", *args, "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET), timeout, **env)
-    return out.returncode, out.stdout
+@pytest.fixture
+def fit(tmp_path: Path, runner: Runner) -> Callable[..., tuple[int, str]]:
+    """``fit(*args, root=tmp_path, timeout=90, **env)``: ``lit-ddp fit ARGS`` into ``root/run``, its process
+    group killed at the end; returns (exit code, output)."""
+
+    def fit_(*args: str, root: Path = tmp_path, timeout: float = 90, **env: str) -> tuple[int, str]:
+        out = runner.fit(*args, "--trainer.default_root_dir", str(root / "run"), *QUIET, timeout=timeout, **env)
+        return out.returncode, out.stdout
+
+    return fit_
 
 
 def error_line(output: str) -> str:
@@ -43,79 +40,84 @@ def error_line(output: str) -> str:
 
 
 CASES = {
-    "malformed yaml": ("malformed.yaml", "trainer:\n  max_epochs: [1\n", [], r"Problems parsing config"),
+    "malformed yaml": (
+        "malformed.yaml",
+        "trainer:\n  max_epochs: [1\n",
+        [],
+        r"malformed\.yaml is not valid YAML \(line \d+",
+    ),
     "unknown key": ("typo.yaml", "trainer:\n  max_epoch: 3\n", [], r"does not accept option 'trainer.max_epoch'"),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_config_errors(tmp_path: Path, name: str) -> None:
+def test_config_errors(tmp_path: Path, fit, name: str) -> None:
     filename, text, extra, pattern = CASES[name]
     (tmp_path / filename).write_text(text)
-    code, out = fit(tmp_path, "--config", REG, "--config", str(tmp_path / filename), *extra)
+    code, out = fit(*compose(*REG), "--config", str(tmp_path / filename), *extra)
     assert code == 2
-    assert __import__("re").search(pattern, out), out[-2000:]
+    assert re.search(pattern, out), out[-2000:]
     assert "Traceback" not in out
 
 
 @pytest.mark.slow
-def test_missing_config_file(tmp_path: Path) -> None:
-    code, out = fit(tmp_path, "--config", str(tmp_path / "nope.yaml"))
+def test_missing_config_file(tmp_path: Path, fit) -> None:
+    code, out = fit("--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "nope.yaml" in out and "does not exist" in out.lower() and "Traceback" not in out
 
 
 USAGE = {
-    "regression batch_size 0": ([REG, "--data.batch_size", "0"], "data.batch_size=0 must be a positive integer"),
-    "gpt batch_size -1": ([GPT, "--data.batch_size", "-1"], "batch_size=-1 must be a positive integer"),
-    "truncate 0": ([GPT, "--data.truncate", "0"], "truncate=0.0 must be in (0, 1]"),
-    "truncate 1.5": ([GPT, "--data.truncate", "1.5"], "truncate=1.5 must be in (0, 1]"),
-    "data missing": ([GPT, "--data.data", "/no/such/text.txt"], "data file /no/such/text.txt does not exist"),
-    "block_size vs val split": (
-        [GPT, "--data.data", str(SHARED_TEXT), "--data.truncate", "0.001", "--data.block_size", "128"],
+    "regression batch_size 0": ((REG, "--data.batch_size", "0"), "data.batch_size=0 must be a positive integer"),
+    "gpt batch_size -1": ((GPT, "--data.batch_size", "-1"), "batch_size=-1 must be a positive integer"),
+    "truncate 0": ((GPT, "--data.truncate", "0"), "truncate=0.0 must be in (0, 1]"),
+    "truncate 1.5": ((GPT, "--data.truncate", "1.5"), "truncate=1.5 must be in (0, 1]"),
+    "data missing": ((GPT, "--data.path", "/no/such/text.txt"), "data file /no/such/text.txt does not exist"),
+    "block_size vs val split": (  # the embedded Tiny Shakespeare, cut to 1115 characters
+        (GPT, "--data.truncate", "0.001", "--data.block_size", "128"),
         "block_size=128 is at least as long as the validation split (112 characters",
     ),
-    "devices > cores": ([REG, "--trainer.accelerator", "cpu", "--trainer.devices", "512"], "trainer.devices=512"),
-    "16-mixed on cpu": ([REG, "--trainer.accelerator", "cpu", "--trainer.precision", "16-mixed"], "bf16-mixed"),
-    "ckpt_path missing": ([REG, "--ckpt_path", "/no/such.ckpt"], "--ckpt_path /no/such.ckpt does not exist"),
+    "devices > cores": ((REG, "--trainer.accelerator", "cpu", "--trainer.devices", "512"), "trainer.devices=512"),
+    "16-mixed on cpu": ((REG, "--trainer.accelerator", "cpu", "--trainer.precision", "16-mixed"), "bf16-mixed"),
+    "ckpt_path missing": ((REG, "--ckpt_path", "/no/such.ckpt"), "--ckpt_path /no/such.ckpt does not exist"),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(USAGE))
-def test_usage_errors(tmp_path: Path, name: str) -> None:
-    config, *args = USAGE[name][0]
-    code, out = fit(tmp_path, "--config", config, *args)
+def test_usage_errors(fit, name: str) -> None:
+    (configs, *args), message = USAGE[name]
+    code, out = fit(*compose(*configs), *args)
     assert code == 2, out[-3000:]
-    assert USAGE[name][1] in error_line(out)
+    assert message in error_line(out)
     assert "Traceback" not in out
 
 
 @pytest.mark.slow
-def test_empty_data_file(tmp_path: Path) -> None:
+def test_empty_data_file(tmp_path: Path, fit) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    code, out = fit(tmp_path, "--config", GPT, "--data.data", str(empty), "--trainer.devices", "1",
+    code, out = fit(*compose(*GPT), "--data.path", str(empty), "--trainer.devices", "1",
                     "--trainer.strategy", "auto")  # fmt: skip
     assert code == 2 and "is empty" in error_line(out)
 
 
 def test_checksum_mismatch(tmp_path: Path) -> None:
-    from lit_ddp.tasks.mingpt import CharDataModule
+    from lit_ddp.data.char import CharDataModule
 
     text = tmp_path / "t.txt"
     text.write_text("hello world\n" * 100)
-    dm = CharDataModule(data=str(text), sha256="0" * 64, block_size=8)
+    dm = CharDataModule(path=str(text), sha256="0" * 64, block_size=8)
     with pytest.raises(ValueError, match=f"sha256 mismatch for {text}: expected 0000.*got {hashlib.sha256(text.read_bytes()).hexdigest()}"):  # fmt: skip
         dm.prepare_data()
 
 
 @pytest.mark.slow
-def test_truncated_ckpt_path_is_refused_and_left_alone(tmp_path: Path) -> None:
+def test_truncated_ckpt_path_is_refused_and_left_alone(tmp_path: Path, fit) -> None:
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(b"PK\x03\x04 not really a checkpoint")
     before = bad.read_bytes()
-    code, out = fit(tmp_path, "--config", REG, "--ckpt_path", str(bad))
+    code, out = fit(*compose(*REG), "--ckpt_path", str(bad))
     assert code == 2 and "is truncated or not a checkpoint" in error_line(out)
     assert bad.read_bytes() == before
 
@@ -123,14 +125,12 @@ def test_truncated_ckpt_path_is_refused_and_left_alone(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_busy_master_port_leaves_no_process(tmp_path: Path) -> None:
-    import subprocess
-
+def test_busy_master_port_leaves_no_process(tmp_path: Path, fit) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        code, out = fit(tmp_path, "--config", REG_DDP, MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
+        code, out = fit(*compose(*REG_DDP), MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
     assert code == 2 and f"MASTER_PORT={port} is already in use" in error_line(out)
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout
     assert not left.strip(), f"processes left behind: {left}"
@@ -138,9 +138,9 @@ def test_busy_master_port_leaves_no_process(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path) -> None:
-    poison = write_callbacks_config(tmp_path / "p.yaml", ("tests.test_bad_input.PoisonAtStep", {"step": 60}))
-    code, out = fit(tmp_path, "--config", REG, "--config", str(poison), "--checkpoint.every_n_epochs", "1")
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, fit, callbacks_config) -> None:
+    poison = callbacks_config("poison", callback(PoisonAtStep, step=60))
+    code, out = fit(*compose(*REG), "--config", str(poison), "--checkpoint.every_n_epochs", "1")
     assert code == 1, out[-3000:]
     line = error_line(out)
     assert "train loss became nan at global_step 61" in line, line
@@ -152,19 +152,19 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_generate_errors(tmp_path: Path) -> None:
+def test_generate_errors(tmp_path: Path, fit, runner: Runner) -> None:
     not_gpt = tmp_path / "reg"
-    code, out = fit(not_gpt, "--config", REG, "--trainer.max_epochs", "1")
+    code, out = fit(*compose(*REG), "--trainer.max_epochs", "1", root=not_gpt)
     assert code == 0, out[-2000:]
     ckpt = not_gpt / "run" / "checkpoints" / "last.ckpt"
-    out = run(lit_ddp("generate", "--ckpt_path", str(ckpt)), timeout=60)
+    out = runner.run(lit_ddp("generate", "--ckpt_path", str(ckpt)), timeout=60)
     assert out.returncode != 0 and "not a minGPT checkpoint" in out.stdout, out.stdout[-2000:]
-    out = run(lit_ddp("generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "-1"), timeout=60)
+    out = runner.run(lit_ddp("generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "-1"), timeout=60)
     assert out.returncode == 2 and "--max_new_tokens=-1" in out.stdout, out.stdout[-2000:]
 
 
 def test_check_trainer_uses_the_given_machine() -> None:
-    from lit_ddp.errors import UsageError, check_trainer
+    from lit_ddp.preflight import UsageError, check_trainer
 
     check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=8, cuda_available=False)
     with pytest.raises(UsageError, match="trainer.devices=8 but this machine has 4 CPU core"):

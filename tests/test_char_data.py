@@ -1,4 +1,5 @@
-"""CharDataModule: encoding, the contiguous train/val split, truncate, the cached download (no network)."""
+"""CharDataModule: encoding, the contiguous train/val split, truncate, the text's source (the embedded Tiny
+Shakespeare by default), the cached download (no network)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,8 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_ddp.tasks.mingpt import (
-    DATA_ENV,
-    TINY_SHAKESPEARE_SHA256,
-    TINY_SHAKESPEARE_URL,
-    CharDataModule,
-    CharWindows,
-    build_vocab,
-    decode,
-    encode,
-)
-from tests.helpers_gpt import SHARED_TEXT
+from lit_ddp.data.char import EMBEDDED, CharDataModule, CharWindows, build_vocab, decode, encode
+from lit_ddp.data.sources import DATA_ENV, TINY_SHAKESPEARE_SHA256, read_embedded_text
 
 TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
 
@@ -33,7 +25,7 @@ def text_file(tmp_path: Path) -> Path:
 
 
 def test_encode_decode_round_trip() -> None:
-    text = SHARED_TEXT.read_text(encoding="utf-8") if SHARED_TEXT.exists() else TEXT
+    text = read_embedded_text()
     vocab = build_vocab(text)
     ids = encode(text, vocab)
     assert ids.dtype == torch.long and ids.shape == (len(text),)
@@ -44,10 +36,8 @@ def test_encode_decode_round_trip() -> None:
         encode("qZx", "x")
 
 
-def test_shared_text_is_tiny_shakespeare() -> None:
-    if not SHARED_TEXT.exists():
-        pytest.skip(f"{SHARED_TEXT} missing")
-    dm = CharDataModule(data=str(SHARED_TEXT), sha256=TINY_SHAKESPEARE_SHA256)
+def test_packaged_text_is_tiny_shakespeare(tiny_shakespeare: Path) -> None:
+    dm = CharDataModule(path=str(tiny_shakespeare), sha256=TINY_SHAKESPEARE_SHA256)
     dm.prepare_data()
     dm.setup("fit")
     assert dm.vocab_size == 65
@@ -55,7 +45,7 @@ def test_shared_text_is_tiny_shakespeare() -> None:
 
 
 def test_split_is_contiguous_and_disjoint(text_file: Path) -> None:
-    dm = CharDataModule(data=str(text_file), block_size=8, batch_size=4, train_split=0.75)
+    dm = CharDataModule(path=str(text_file), block_size=8, batch_size=4, train_split=0.75)
     dm.setup("fit")
     full = encode(TEXT, dm.vocab)
     n_train = int(len(TEXT) * 0.75)
@@ -75,7 +65,7 @@ def test_split_is_contiguous_and_disjoint(text_file: Path) -> None:
 
 
 def test_batches(text_file: Path) -> None:
-    dm = CharDataModule(data=str(text_file), block_size=8, batch_size=4)
+    dm = CharDataModule(path=str(text_file), block_size=8, batch_size=4)
     dm.setup("fit")
     loader = dm.train_dataloader()
     assert isinstance(loader, StatefulDataLoader)
@@ -87,7 +77,7 @@ def test_batches(text_file: Path) -> None:
 
 
 def test_truncate(text_file: Path) -> None:
-    dm = CharDataModule(data=str(text_file), block_size=8, truncate=0.5)
+    dm = CharDataModule(path=str(text_file), block_size=8, truncate=0.5)
     dm.setup("fit")
     assert dm.train_set.data.numel() + dm.val_set.data.numel() == int(len(TEXT) * 0.5)
 
@@ -110,35 +100,35 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="batch_size=0"):
         CharDataModule(batch_size=0)
     with pytest.raises(FileNotFoundError, match="nope.txt"):
-        CharDataModule(data=str(tmp_path / "nope.txt")).prepare_data()
+        CharDataModule(path=str(tmp_path / "nope.txt")).prepare_data()
     short = tmp_path / "short.txt"
     short.write_text("abc")
     with pytest.raises(ValueError, match="block_size=8 is at least as long as the validation split"):
-        CharDataModule(data=str(short), block_size=8).setup("fit")
+        CharDataModule(path=str(short), block_size=8).setup("fit")
 
 
 def test_source_precedence(monkeypatch: pytest.MonkeyPatch, text_file: Path) -> None:
     monkeypatch.delenv(DATA_ENV, raising=False)
-    assert CharDataModule().source == TINY_SHAKESPEARE_URL
+    assert CharDataModule().source == EMBEDDED
     assert CharDataModule().expected_sha256 == TINY_SHAKESPEARE_SHA256
     monkeypatch.setenv(DATA_ENV, str(text_file))
     dm = CharDataModule()
     assert dm.source == str(text_file) and dm.expected_sha256 is None
     other = text_file.with_name("other.txt")
     other.write_text("other text")
-    assert CharDataModule(data=str(other)).source == str(other)
+    assert CharDataModule(path=str(other)).source == str(other)
 
 
 def test_url_downloaded_once_and_verified(tmp_path: Path, text_file: Path) -> None:
     """A file:// URL goes through the download path: copied into the cache, sha256-checked, reused."""
     sha = hashlib.sha256(TEXT.encode()).hexdigest()
     cache = tmp_path / "cache"
-    dm = CharDataModule(data=text_file.as_uri(), sha256=sha, cache_dir=str(cache), block_size=8)
+    dm = CharDataModule(path=text_file.as_uri(), sha256=sha, cache_dir=str(cache), block_size=8)
     dm.prepare_data()
     cached = list(cache.iterdir())
     assert len(cached) == 1 and cached[0].read_text() == TEXT
     text_file.unlink()  # offline from now on: the cache serves
-    dm2 = CharDataModule(data=text_file.as_uri(), sha256=sha, cache_dir=str(cache), block_size=8)
+    dm2 = CharDataModule(path=text_file.as_uri(), sha256=sha, cache_dir=str(cache), block_size=8)
     dm2.prepare_data()
     dm2.setup("fit")
     assert decode(dm2.train_set.data[:10], dm2.vocab) == "A Citizen:"
@@ -149,7 +139,7 @@ def test_sha256_mismatch_rejected(tmp_path: Path) -> None:
     with fsspec.open(url, "wb") as f:
         f.write(b"not the text you are looking for")
     cache = tmp_path / "cache"
-    dm = CharDataModule(data=url, sha256="0" * 64, cache_dir=str(cache))
+    dm = CharDataModule(path=url, sha256="0" * 64, cache_dir=str(cache))
     with pytest.raises(ValueError, match=f"sha256 mismatch for {url}: expected {'0' * 64}"):
         dm.prepare_data()
     assert list(cache.iterdir()) == []  # nothing half-verified is left behind

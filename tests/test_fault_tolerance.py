@@ -1,7 +1,7 @@
 """Fault tolerance end to end: runs killed mid-epoch and resumed end bit-identical to uninterrupted runs.
 
 Every run is the real CLI in a subprocess (``python -m lit_ddp`` or ``torchrun ... -m lit_ddp``); the kill
-schedule and the records come from ``tests.helpers_ft`` callbacks added through a YAML fragment. Sizes are
+schedule and the records come from ``tests.callbacks`` callbacks added through a YAML fragment. Sizes are
 tiny: a few epochs of a few steps, so that kills land mid-epoch and across epoch boundaries.
 """
 
@@ -10,17 +10,20 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, SHARED_TEXT, kill_group, lit_ddp, run, subprocess_env, write_callbacks_config
-from tests.helpers_ft import load_records, tensorboard_steps
+from lit_ddp.data.sources import read_embedded_text
+from tests.callbacks import KillAtSteps, PauseAtSteps
+from tests.helpers import QUIET, Runner, callback, compose, lit_ddp, load_records, tensorboard_steps, torchrun, wait
 
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+# The README's fault-tolerant compositions: DDP, the step's config, the checkpointing fragment (and for minGPT
+# its fault-tolerant fragment over cpu.yaml).
+REGRESSION_FT = ("trainer/ddp", "checkpoint/fault_tolerant", "regression/fault_tolerant")
+MINGPT_FT = ("trainer/ddp", "mingpt/cpu", "checkpoint/fault_tolerant", "mingpt/fault_tolerant")
 # torch's c10d rendezvous shares one TCPStore across restarts, and the restarted workers read the killed
 # workers' addresses from it (pytorch/pytorch#135712): gloo then fails to connect. Off, each round has its own.
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -29,7 +32,7 @@ TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 def regression_args(steps: int, every: int) -> list[str]:
     # 288 samples: 252 train, 8 batches of 32 per epoch in one process, 4 per rank in two.
     return [
-        "--config", str(REPO / "configs/regression/fault_tolerant.yaml"),
+        *compose(*REGRESSION_FT),
         "--data.num_samples", "288",
         "--trainer.max_epochs", "-1",
         "--trainer.max_steps", str(steps),
@@ -41,8 +44,8 @@ def regression_args(steps: int, every: int) -> list[str]:
 
 def mingpt_args(steps: int, every: int, text: Path) -> list[str]:
     return [
-        "--config", str(REPO / "configs/mingpt/fault_tolerant.yaml"),
-        "--data.data", str(text),
+        *compose(*MINGPT_FT),
+        "--data.path", str(text),
         "--data.block_size", "16",
         "--data.batch_size", "8",
         "--model.warmup_steps", "2",
@@ -63,18 +66,10 @@ def one_process(args: list[str]) -> list[str]:
 
 @pytest.fixture
 def tiny_text(tmp_path: Path) -> Path:
-    if not SHARED_TEXT.exists():
-        pytest.skip(f"{SHARED_TEXT} is missing")
+    """The first 6000 characters of the packaged Tiny Shakespeare."""
     path = tmp_path / "tiny.txt"
-    path.write_text(SHARED_TEXT.read_text()[:6000])
+    path.write_text(read_embedded_text()[:6000])
     return path
-
-
-def callbacks(tmp: Path, name: str, *extra: tuple[str, dict]) -> tuple[Path, Path]:
-    """A YAML fragment with RecordFinal into ``tmp/name/rec`` plus ``extra``; returns (fragment, record dir)."""
-    rec = tmp / name / "rec"
-    frag = write_callbacks_config(tmp / f"{name}.yaml", ("tests.helpers_ft.RecordFinal", {"out_dir": str(rec)}), *extra)
-    return frag, rec
 
 
 def assert_same_params(a: list[dict], b: list[dict]) -> None:
@@ -99,7 +94,9 @@ def assert_same_tensorboard(resumed: Path, reference: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("task", ["regression", "mingpt"])
-def test_one_process_resume_is_exact(task: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_one_process_resume_is_exact(
+    task: str, tmp_path: Path, request: pytest.FixtureRequest, runner: Runner, recorder
+) -> None:
     """Killed twice (SIGKILL, mid-epoch) and re-run with the same command: same parameters, same TensorBoard
     steps as the uninterrupted run. The second resume also meets a truncated last.ckpt and falls back."""
     if task == "regression":
@@ -110,19 +107,19 @@ def test_one_process_resume_is_exact(task: str, tmp_path: Path, request: pytest.
         args = one_process(mingpt_args(14, 4, text))
         args += ["--trainer.plugins", "lit_ddp.checkpointing.AsyncAtomicCheckpointIO"]
         kills = [6, 11]
-    ref_cb, ref_rec = callbacks(tmp_path, "ref")
-    out = run(lit_ddp("fit", *args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref")), 120)
+    ref_cb, ref_rec = recorder("ref")
+    out = runner.fit(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref"), timeout=120)
     assert out.returncode == 0, out.stdout[-3000:]
 
     state = tmp_path / "state"
-    cb, rec = callbacks(tmp_path, "ft", ("tests.helpers_ft.KillAtSteps", {"steps": kills, "state_dir": str(state)}))
+    cb, rec = recorder("ft", callback(KillAtSteps, steps=kills, state_dir=str(state)))
     root = tmp_path / "run"
     cmd = lit_ddp("fit", *args, "--config", str(cb), "--trainer.default_root_dir", str(root))
     for attempt in range(len(kills) + 1):
         if attempt == 2:  # a kill while writing last.ckpt, as far as a reader can tell
             last = root / "checkpoints" / "last.ckpt"
             last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
-        out = run(cmd, 120)
+        out = runner.run(cmd, 120)
         if attempt < len(kills):
             assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
         else:
@@ -136,39 +133,30 @@ def test_one_process_resume_is_exact(task: str, tmp_path: Path, request: pytest.
     assert not list(root.glob("version_*"))
 
 
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "--max-restarts", "3", "--monitor-interval", "0.2", "-m", "lit_ddp", "fit", *args]  # fmt: skip
+def torchrun_fit(*args: str) -> list[str]:
+    return torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
+                    "-m", "lit_ddp", "fit", *args)  # fmt: skip
 
 
-def run_killing(cmd: list[str], state: Path, n_kills: int, timeout: float) -> subprocess.CompletedProcess:
+def run_killing(
+    runner: Runner, cmd: list[str], state: Path, n_kills: int, timeout: float
+) -> subprocess.CompletedProcess:
     """Runs ``cmd``; each time a worker pauses (``PauseAtSteps``), SIGKILLs it from here. Returns when
     ``cmd`` ends; every process of its group is killed in any case."""
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=subprocess_env(**TORCHRUN_ENV), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    log = state / "log.txt"
+    proc = runner.start(cmd, **TORCHRUN_ENV)
     deadline = time.monotonic() + timeout
-    try:
-        for i in range(n_kills):
-            paused = state / f"paused_{i}"
-            while not paused.exists():
-                assert proc.poll() is None, "torchrun ended before the kill"
-                assert time.monotonic() < deadline, f"no worker paused for kill {i}"
-                time.sleep(0.1)
-            pid = int(paused.read_text().split()[0])
-            (state / f"killed_{i}").write_text("")
-            os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun did not finish; output:\n{out[-5000:]}") from None
-    finally:
-        kill_group(proc)
-    log.write_text(out)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    for i in range(n_kills):
+        paused = state / f"paused_{i}"
+        while not paused.exists():
+            assert proc.poll() is None, "torchrun ended before the kill"
+            assert time.monotonic() < deadline, f"no worker paused for kill {i}"
+            time.sleep(0.1)
+        pid = int(paused.read_text().split()[0])
+        (state / f"killed_{i}").write_text("")
+        os.kill(pid, signal.SIGKILL)
+    out = wait(proc, max(1.0, deadline - time.monotonic()))
+    (state / "log.txt").write_text(out.stdout)
+    return out
 
 
 @pytest.mark.slow
@@ -181,25 +169,26 @@ def run_killing(cmd: list[str], state: Path, n_kills: int, timeout: float) -> su
         "mingpt",
     ],
 )
-def test_torchrun_restarts_are_exact(task: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_torchrun_restarts_are_exact(
+    task: str, tmp_path: Path, request: pytest.FixtureRequest, runner: Runner, recorder
+) -> None:
     """torchrun --max-restarts 3, rank 1 SIGKILLed by the test at two different steps (mid-epoch, after a
     checkpoint): the group restarts, resumes and ends bit-identical to an uninterrupted torchrun run."""
     if task == "regression":
         args, kills, resumed_at = regression_args(14, 3), [7, 11], 9  # 4 steps per epoch per rank
     else:
         args, kills, resumed_at = mingpt_args(12, 3, request.getfixturevalue("tiny_text")), [5, 10], 9
-    ref_cb, ref_rec = callbacks(tmp_path, "ref")
-    out = run(torchrun(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref")), 150,
-              **TORCHRUN_ENV)  # fmt: skip
+    ref_cb, ref_rec = recorder("ref")
+    ref_cmd = torchrun_fit(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref"))
+    out = runner.run(ref_cmd, 150, **TORCHRUN_ENV)
     assert out.returncode == 0, out.stdout[-3000:]
 
     state = tmp_path / "state"
     state.mkdir()
-    cb, rec = callbacks(
-        tmp_path, "ft", ("tests.helpers_ft.PauseAtSteps", {"steps": kills, "state_dir": str(state), "rank": 1})
-    )
+    cb, rec = recorder("ft", callback(PauseAtSteps, steps=kills, state_dir=str(state), rank=1))
     root = tmp_path / "run"
-    out = run_killing(torchrun(*args, "--config", str(cb), "--trainer.default_root_dir", str(root)), state, 2, 240)
+    cmd = torchrun_fit(*args, "--config", str(cb), "--trainer.default_root_dir", str(root))
+    out = run_killing(runner, cmd, state, 2, 240)
     assert out.returncode == 0, out.stdout[-5000:]
     assert out.stdout.count("Resuming from") == 2  # two restarts (rank zero says it)
     final, reference = load_records(rec), load_records(ref_rec)

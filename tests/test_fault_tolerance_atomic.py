@@ -26,7 +26,7 @@ from lit_ddp.checkpointing import (
     find_resume_checkpoint,
     is_valid_checkpoint,
 )
-from tests.helpers import REPO, kill_group, lit_ddp, run, subprocess_env
+from tests.helpers import Runner, compose, wait
 
 OTHER_FS = Path("/dev/shm")
 
@@ -35,22 +35,14 @@ def other_filesystem(path: Path) -> bool:
     return OTHER_FS.is_dir() and os.access(OTHER_FS, os.W_OK) and os.stat(OTHER_FS).st_dev != os.stat(path).st_dev
 
 
-def start(code: str, tmp: Path) -> subprocess.Popen:
+def start_python(runner: Runner, code: str, tmp: Path) -> subprocess.Popen:
     """``python -c code`` with ``$TMPDIR`` on another filesystem than ``tmp`` (when there is one)."""
-    env = subprocess_env(TMPDIR=str(OTHER_FS) if other_filesystem(tmp) else str(tmp))
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    tmpdir = str(OTHER_FS) if other_filesystem(tmp) else str(tmp)
+    return runner.start([sys.executable, "-c", textwrap.dedent(code)], TMPDIR=tmpdir)
 
 
 @pytest.mark.timeout(60)
-def test_lightning_default_save_is_not_atomic_across_filesystems(tmp_path: Path) -> None:
+def test_lightning_default_save_is_not_atomic_across_filesystems(tmp_path: Path, runner: Runner) -> None:
     """Lightning's fsspec transaction: temp file in $TMPDIR, then shutil.move = a copy onto the target when
     $TMPDIR is another filesystem. Killed during that copy, the previous checkpoint is gone."""
     if not other_filesystem(tmp_path):
@@ -67,19 +59,15 @@ def test_lightning_default_save_is_not_atomic_across_filesystems(tmp_path: Path)
         os.sendfile = sendfile_then_die
         _atomic_save({{"w": torch.ones(1_000_000)}}, {str(path)!r})
     """
-    proc = start(code, tmp_path)
-    try:
-        out, _ = proc.communicate(timeout=50)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == -signal.SIGKILL, out
+    out = wait(start_python(runner, code, tmp_path), 50)
+    assert out.returncode == -signal.SIGKILL, out.stdout
     assert not is_valid_checkpoint(str(path))
     with pytest.raises(Exception):  # noqa: B017 - any failure to read is the point
         torch.load(path, weights_only=True)
 
 
 @pytest.mark.timeout(120)
-def test_atomic_io_survives_kill_while_writing(tmp_path: Path) -> None:
+def test_atomic_io_survives_kill_while_writing(tmp_path: Path, runner: Runner) -> None:
     """A process saving big checkpoints in a loop, SIGKILLed while its temporary file is being written (three
     times): last.ckpt is always the complete previous checkpoint; the next save clears the leftovers."""
     path = tmp_path / "checkpoints" / "last.ckpt"
@@ -100,23 +88,20 @@ def test_atomic_io_survives_kill_while_writing(tmp_path: Path) -> None:
     kills_mid_write = 0
     for _ in range(3):
         ready.unlink(missing_ok=True)
-        proc = start(code, tmp_path)
-        try:
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                assert proc.poll() is None, proc.communicate()[0]
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            while True:  # wait until a temporary file is partly written, then kill
-                partial = [p for p in path.parent.glob(".last.ckpt.*.tmp") if 0 < p.stat().st_size < 32_000_000]
-                if partial:
-                    break
-                assert time.monotonic() < deadline, "never saw a partial temporary file"
-                time.sleep(0.001)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        finally:
-            kill_group(proc)
+        proc = start_python(runner, code, tmp_path)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while True:  # wait until a temporary file is partly written, then kill
+            partial = [p for p in path.parent.glob(".last.ckpt.*.tmp") if 0 < p.stat().st_size < 32_000_000]
+            if partial:
+                break
+            assert time.monotonic() < deadline, "never saw a partial temporary file"
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGKILL)
+        wait(proc, 10)
         leftovers = list(path.parent.glob(".last.ckpt.*.tmp"))
         kills_mid_write += bool(leftovers)
         assert is_valid_checkpoint(str(path))
@@ -161,13 +146,13 @@ def test_garbage_only_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_cli_refuses_to_start_over_garbage(tmp_path: Path) -> None:
+def test_cli_refuses_to_start_over_garbage(tmp_path: Path, runner: Runner) -> None:
     """``fit`` on a run directory holding only unreadable checkpoints stops instead of training from scratch."""
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"\0" * 100)
-    args = ["fit", "--config", str(REPO / "configs/regression/fault_tolerant.yaml"), "--trainer.devices", "1"]
-    args += ["--trainer.strategy", "auto", "--trainer.default_root_dir", str(tmp_path)]
-    out = run(lit_ddp(*args), 100)
+    args = compose("trainer/ddp", "checkpoint/fault_tolerant", "regression/fault_tolerant")
+    args += ["--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.default_root_dir", str(tmp_path)]
+    out = runner.fit(*args, timeout=100)
     assert out.returncode != 0
     assert "None of the 1 checkpoint(s)" in out.stdout and "last.ckpt" in out.stdout, out.stdout[-3000:]
     assert "Epoch 0" not in out.stdout and not list(tmp_path.glob("events.out.*"))  # nothing trained

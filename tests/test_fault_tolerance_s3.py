@@ -12,27 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lit_ddp.checkpointing import checkpoint_candidates, find_resume_checkpoint, is_valid_checkpoint, write_atomic
-from tests.helpers import free_port, kill_group, lit_ddp, run
-from tests.helpers_ft import load_records
+from tests.callbacks import KillAtSteps
+from tests.helpers import QUIET, Runner, callback, compose, kill_group, load_records, start
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
-
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
 @pytest.fixture
 def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     """moto's S3 server on a free local port with a bucket ``ftbucket``; the environment that points boto at it."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    port = find_free_network_port()
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    proc = start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=False)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -64,27 +59,20 @@ def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_s3_run_directory_resumes(s3_env: dict[str, str], tmp_path: Path) -> None:
+def test_s3_run_directory_resumes(s3_env: dict[str, str], tmp_path: Path, runner: Runner, recorder) -> None:
     args = [
-        "fit", "--config", "configs/regression/fault_tolerant.yaml",
+        *compose("trainer/ddp", "checkpoint/fault_tolerant", "regression/fault_tolerant"),
         "--trainer.devices", "1", "--trainer.strategy", "auto",
         "--trainer.max_steps", "8", "--trainer.max_epochs", "-1", "--data.num_samples", "288",
         "--checkpoint.every_n_train_steps", "3", *QUIET,
     ]  # fmt: skip
-    ref = tmp_path / "ref.yaml"
-    ref.write_text(f"trainer:\n  callbacks:\n  - class_path: tests.helpers_ft.RecordFinal\n"
-                   f"    init_args: {{out_dir: {tmp_path / 'ref'}}}\n")  # fmt: skip
-    out = run(lit_ddp(*args, "--config", str(ref), "--trainer.default_root_dir", str(tmp_path / "local")), 120)
+    ref, ref_rec = recorder("ref")
+    out = runner.fit(*args, "--config", str(ref), "--trainer.default_root_dir", str(tmp_path / "local"), timeout=120)
     assert out.returncode == 0, out.stdout[-3000:]
 
-    cb = tmp_path / "cb.yaml"
-    cb.write_text(
-        "trainer:\n  callbacks:\n"
-        f"  - class_path: tests.helpers_ft.RecordFinal\n    init_args: {{out_dir: {tmp_path / 'rec'}}}\n"
-        f"  - class_path: tests.helpers_ft.KillAtSteps\n    init_args: {{steps: [5], state_dir: {tmp_path / 's'}}}\n"
-    )
-    cmd = lit_ddp(*args, "--config", str(cb), "--trainer.default_root_dir", "s3://ftbucket/run")
-    out = run(cmd, 120, **s3_env)
+    cb, rec = recorder("ft", callback(KillAtSteps, steps=[5], state_dir=str(tmp_path / "s")))
+    args += ["--config", str(cb), "--trainer.default_root_dir", "s3://ftbucket/run"]
+    out = runner.fit(*args, timeout=120, **s3_env)
     assert out.returncode < 0, out.stdout[-3000:]  # killed at step 5
 
     # Listed and validated through fsspec: newest first, last.ckpt on equal times.
@@ -98,10 +86,10 @@ def test_s3_run_directory_resumes(s3_env: dict[str, str], tmp_path: Path) -> Non
 
     s3fs.S3FileSystem().rm("ftbucket/run/checkpoints/epoch=9-step=99.ckpt")
 
-    out = run(cmd, 120, **s3_env)
+    out = runner.fit(*args, timeout=120, **s3_env)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "Resuming from s3://ftbucket/run/checkpoints/" in out.stdout
-    [final], [reference] = load_records(tmp_path / "rec"), load_records(tmp_path / "ref")
+    [final], [reference] = load_records(rec), load_records(ref_rec)
     assert final["start_step"] == 3 and final["optimizer_steps"] == 5
     for name, tensor in reference["params"].items():
         assert torch.equal(final["params"][name], tensor), name

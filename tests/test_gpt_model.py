@@ -1,4 +1,5 @@
-"""The plain-PyTorch GPT: shapes, causality, initialization, learning, sampling, optimizer groups."""
+"""The plain-PyTorch GPT: shapes, causality, initialization, learning, sampling, optimizer groups, and the
+optional speedrun changes (rotary, QK-norm, ReLU², untied head, zero-init projections, Muon groups)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, adamw_param_groups
-from lit_ddp.tasks.mingpt import lr_factor
+from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, Rotary, adamw_param_groups, muon_param_groups
+from lit_ddp.tasks.mingpt import warmup_cosine_schedule
 
 
 def tiny(**overrides) -> GPT:
@@ -141,9 +142,165 @@ def test_adamw_param_groups() -> None:
     assert any(n.endswith("ln_1.weight") for n in kept) and any(n.endswith("bias") for n in kept)
 
 
+def lr_values(steps: int, warmup: int, decay: int | None, floor: float) -> list[float]:
+    """The learning rate of each of ``steps`` optimizer steps under ``warmup_cosine_schedule`` (peak 1)."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = warmup_cosine_schedule(optimizer, warmup, decay, floor)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
 def test_lr_schedule() -> None:
-    assert lr_factor(0, 10, False, None, 0.1) == pytest.approx(1 / 11)
-    assert lr_factor(50, 10, False, None, 0.1) == 1.0
-    assert lr_factor(10, 10, True, 110, 0.1) == pytest.approx(1.0)
-    assert lr_factor(60, 10, True, 110, 0.1) == pytest.approx(0.55)
-    assert lr_factor(200, 10, True, 110, 0.1) == pytest.approx(0.1)
+    """nanoGPT's get_lr: warmup (step + 1) / (warmup + 1), cosine to the floor at decay_steps, flat after."""
+    flat = lr_values(60, 10, None, 0.1)
+    assert flat[0] == pytest.approx(1 / 11) and flat[50] == pytest.approx(1.0)
+    cosine = lr_values(201, 10, 110, 0.1)
+    assert cosine[10] == pytest.approx(1.0)
+    assert cosine[60] == pytest.approx(0.55)
+    assert cosine[110] == pytest.approx(0.1) and cosine[200] == pytest.approx(0.1)
+
+
+# ---- optional speedrun changes
+
+OPTIONS = {
+    "rope": {"rope": True},
+    "qk_norm": {"qk_norm": True},
+    "relu2": {"activation": "relu2"},
+    "untied": {"tie_weights": False},
+    "zero_init": {"zero_init_proj": True},
+    "zero_init_untied": {"zero_init_proj": True, "tie_weights": False},
+    "all": {"rope": True, "qk_norm": True, "activation": "relu2", "tie_weights": False, "zero_init_proj": True},
+}
+
+
+def randomized(model: GPT) -> GPT:
+    """The model with every parameter redrawn, so that zero-initialized layers take part in the checks."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_options_shapes_and_causality(options: dict) -> None:
+    model = randomized(tiny(**options))
+    idx = torch.randint(0, 11, (2, 16))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (2, 16, 11) and loss.shape == () and torch.isfinite(loss)
+    assert model(idx[:, :5])[0].shape == (2, 5, 11)
+    for t in (0, 7, 15):
+        changed = idx.clone()
+        changed[:, t] = (idx[:, t] + 1) % 11
+        with torch.no_grad():
+            a, _ = model(idx)
+            b, _ = model(changed)
+        assert torch.equal(a[:, :t], b[:, :t]), f"position < {t} saw token {t}"
+        assert not torch.allclose(a[:, t], b[:, t])
+
+
+def test_default_options_are_bit_identical() -> None:
+    """Options off is the GPT-2 model as before they existed: same parameters, same initialization (the
+    values below were recorded from the model before the options were added), tied head."""
+    explicit = {"rope": False, "qk_norm": False, "activation": "gelu", "tie_weights": True, "zero_init_proj": False}
+    model, again = tiny(), tiny(**explicit)
+    assert model.transformer.wte.weight is model.lm_head.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert names[:2] == ["transformer.wte.weight", "transformer.wpe.weight"] and len(names) == 28
+    for (n, p), (_, q) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+    assert sum(p.double().sum().item() for p in model.parameters()) == pytest.approx(78.56411334625454, abs=1e-9)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=11))
+    idx = torch.randint(0, 11, (4, 16))
+    assert model(idx, idx.roll(1, 1))[1].item() == pytest.approx(2.4300832748413086, abs=1e-5)
+    assert (model.num_parameters(), model.flops_per_token()) == (6768, 46752)
+
+
+def test_rope_replaces_position_embedding() -> None:
+    model = tiny(rope=True)
+    assert "wpe" not in model.transformer
+    assert not any("rotary" in k for k in model.state_dict())  # the tables follow from the sizes
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="rope needs an even head size"):
+        GPTConfig(n_embd=12, n_head=4, rope=True)
+
+
+def test_rotary_scores_depend_on_relative_position() -> None:
+    """RoFormer's property: <R(m) q, R(n) k> depends on m - n only."""
+    rotary = Rotary(head_size=8, max_len=16)
+    torch.manual_seed(0)
+    q, k = torch.randn(8), torch.randn(8)
+    rq = rotary(q.expand(1, 1, 16, 8))[0, 0]  # (T, hs): q at every position
+    rk = rotary(k.expand(1, 1, 16, 8))[0, 0]
+    assert torch.allclose(rq[0], q) and not torch.allclose(rq[1], q)
+    assert torch.allclose(rq[5] @ rk[2], rq[12] @ rk[9], atol=1e-5)
+    assert torch.allclose(rq.norm(dim=-1), q.norm().expand(16), atol=1e-5)  # rotations keep lengths
+
+
+def test_qk_norm_and_relu2() -> None:
+    model = tiny(qk_norm=True, activation="relu2")
+    attn = model.transformer.h[0].attn
+    assert attn.q_norm.weight.shape == (8,)  # head size 16 // 2
+    assert torch.equal(model.transformer.h[0].mlp.act(torch.tensor([-2.0, 0.5, 3.0])), torch.tensor([0.0, 0.25, 9.0]))
+    with pytest.raises(ValueError, match="activation='swish' must be one of"):
+        GPTConfig(activation="swish")
+
+
+def test_untied_head_and_zero_init() -> None:
+    model = tiny(tie_weights=False, zero_init_proj=True)
+    assert model.transformer.wte.weight is not model.lm_head.weight
+    assert model.lm_head.weight.abs().sum() == 0
+    assert all(p.abs().sum() == 0 for n, p in model.named_parameters() if n.endswith("c_proj.weight"))
+    assert model.transformer.wte.weight.std().item() == pytest.approx(0.02, abs=0.005)
+    # non-embedding count leaves out both lookups (wte, wpe) once the head has its own weight
+    lookups = model.transformer.wte.weight.numel() + model.transformer.wpe.weight.numel()
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters()) - lookups
+    _, loss = model(torch.randint(0, 11, (2, 8)), torch.randint(0, 11, (2, 8)))
+    assert loss.item() == pytest.approx(math.log(11), abs=1e-6)  # a zero head predicts uniformly
+    # a zeroed projection still learns: its gradient is not zero
+    decay, no_decay = adamw_param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert "lm_head.weight" in {names[id(p)] for p in decay["params"]}
+    assert "transformer.wte.weight" in {names[id(p)] for p in no_decay["params"]}
+
+
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_muon_param_groups(tie_weights: bool) -> None:
+    model = tiny(qk_norm=True, tie_weights=tie_weights).train()
+    hidden, others = muon_param_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert len(hidden) + len(others) == len(names) == len({id(p) for p in hidden + others})
+    assert {names[id(p)].rsplit(".", 2)[-2] for p in hidden} == {"c_attn", "c_proj", "c_fc"}
+    assert all(p.ndim == 2 and names[id(p)].startswith("transformer.h.") for p in hidden)
+    other_names = {names[id(p)] for p in others}
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight"} <= other_names
+    assert ("lm_head.weight" in other_names) is not tie_weights  # tied: named once, as wte
+    muon = torch.optim.Muon(hidden, lr=0.02, weight_decay=0.0)
+    adamw = torch.optim.AdamW(others, lr=1e-3)
+    before = [p.detach().clone() for p in hidden]
+    idx = torch.randint(0, 11, (2, 16))
+    model(idx, idx)[1].backward()
+    muon.step()
+    adamw.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, hidden, strict=True))
+
+
+def test_all_options_learn(one_thread: None) -> None:
+    text = "to be or not to be, that is the question. "
+    vocab = sorted(set(text))
+    data = torch.tensor([vocab.index(c) for c in text])
+    model = tiny(vocab_size=len(vocab), n_embd=32, **OPTIONS["all"]).train()
+    x = torch.stack([data[i : i + 16] for i in range(len(data) - 16)])
+    y = torch.stack([data[i + 1 : i + 17] for i in range(len(data) - 16)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1

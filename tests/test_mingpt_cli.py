@@ -6,14 +6,19 @@ import json
 import shutil
 from pathlib import Path
 
+import lightning
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lit_ddp.cli import cli_main
+from lit_ddp.data.char import build_vocab
 from lit_ddp.generate import generate, load_gpt
-from lit_ddp.tasks.mingpt import GPTModule, build_vocab
-from tests.helpers import free_port, lit_ddp, run, write_callbacks_config
-from tests.helpers_gpt import CPU_CONFIG, SHARED_TEXT, TINY_ARGS
+from lit_ddp.tasks.mingpt import GPTModule
+from tests.callbacks import RecordMetrics
+from tests.helpers import TINY_GPT_ARGS, Runner, callback, compose
+
+CPU = ("trainer/ddp", "mingpt/cpu")  # as `make train` composes them
 
 TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 40
 
@@ -23,7 +28,13 @@ def tiny_module() -> GPTModule:
 
 
 def save_like_lightning(module: GPTModule, path: Path) -> Path:
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    """The keys of a Lightning checkpoint that ``GPTModule.load_from_checkpoint`` reads."""
+    checkpoint = {
+        "state_dict": module.state_dict(),
+        "hyper_parameters": dict(module.hparams),
+        "pytorch-lightning_version": lightning.__version__,
+    }
+    torch.save(checkpoint, path)
     return path
 
 
@@ -72,19 +83,16 @@ def test_generate_rejects_other_files(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 @pytest.mark.slow
-def test_fit_then_generate_without_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_fit_then_generate_without_data(tmp_path: Path, capsys: pytest.CaptureFixture, tiny_shakespeare: Path) -> None:
     """One process: train briefly, remove the text, generate from the checkpoint alone."""
     text = tmp_path / "input.txt"
-    if SHARED_TEXT.exists():
-        shutil.copy(SHARED_TEXT, text)
-    else:
-        text.write_text(TEXT * 20)
+    shutil.copy(tiny_shakespeare, text)
     root = tmp_path / "run"
     # fmt: off
     cli_main([
-        "fit", "--config", str(CPU_CONFIG), *TINY_ARGS,
+        "fit", *compose(*CPU), *TINY_GPT_ARGS,
         "--trainer.devices", "1", "--trainer.strategy", "auto",
-        "--data.init_args.data", str(text),
+        "--data.init_args.path", str(text),
         "--trainer.max_steps", "10", "--trainer.val_check_interval", "5",
         "--trainer.default_root_dir", str(root),
     ])
@@ -104,27 +112,20 @@ def test_fit_then_generate_without_data(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_ddp_two_processes_agree(tmp_path: Path) -> None:
-    """2-process DDP (gloo) through the CLI: both ranks see the same val/loss, a text sample is logged."""
-    text = tmp_path / "input.txt"
-    if SHARED_TEXT.exists():
-        shutil.copy(SHARED_TEXT, text)
-    else:
-        text.write_text(TEXT * 20)
+def test_ddp_two_processes_agree(tmp_path: Path, runner: Runner, callbacks_config) -> None:
+    """2-process DDP (gloo) through the CLI on the packaged text (no data path): both ranks see the same
+    val/loss, a text sample is logged."""
     records = tmp_path / "records"
-    callbacks = write_callbacks_config(
-        tmp_path / "callbacks.yaml", ("tests.helpers_gpt.RecordMetrics", {"out_dir": str(records)})
-    )
+    callbacks = callbacks_config("callbacks", callback(RecordMetrics, out_dir=str(records)))
     root = tmp_path / "run"
     # fmt: off
-    cmd = lit_ddp(
-        "fit", "--config", str(CPU_CONFIG), "--config", str(callbacks), *TINY_ARGS,
-        "--data.init_args.data", str(text),
+    proc = runner.fit(
+        *compose(*CPU), "--config", str(callbacks), *TINY_GPT_ARGS,
         "--trainer.max_steps", "30", "--trainer.val_check_interval", "15", "--trainer.log_every_n_steps", "5",
         "--trainer.default_root_dir", str(root),
+        timeout=120, cwd=tmp_path, MASTER_PORT=str(find_free_network_port()),
     )
     # fmt: on
-    proc = run(cmd, timeout=120, cwd=tmp_path, MASTER_PORT=str(free_port()))
     assert proc.returncode == 0, proc.stdout[-5000:]
     ranks = [json.loads((records / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]

@@ -7,15 +7,14 @@ Each notebook writes its key numbers to ``$LIT_DDP_NOTEBOOK_OUT/<name>.json``; t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.helpers import REPO
-from tests.helpers_gpt import SHARED_TEXT
+from lit_ddp.data.sources import DATA_ENV
+from tests.helpers import LAUNCH_ENV, REPO
 
 NOTEBOOK_DIR = REPO / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -37,7 +36,7 @@ def execute(name: str, out_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """Runs ``notebooks/<name>.ipynb`` in a fresh kernel and returns the JSON it wrote."""
     monkeypatch.setenv("LIT_DDP_NOTEBOOK_OUT", str(out_dir))  # the kernel inherits the environment
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+    for key in (*LAUNCH_ENV, DATA_ENV):  # no launcher variables; the packaged Tiny Shakespeare
         monkeypatch.delenv(key, raising=False)
     nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
     client = NotebookClient(
@@ -78,10 +77,6 @@ def test_regression_ddp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_mingpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    text = os.environ.get("LIT_DDP_DATA") or (str(SHARED_TEXT) if SHARED_TEXT.exists() else None)
-    if text is None or not Path(text).is_file():
-        pytest.skip("no local Tiny Shakespeare (../shared/data or $LIT_DDP_DATA); tests never download")
-    monkeypatch.setenv("LIT_DDP_DATA", text)
     results = execute("03_mingpt", tmp_path, monkeypatch)
     val = [loss for _, loss in results["val_loss"]]
     assert len(val) == 3 and val[-1] < val[0] < 4.2  # below ln(65): better than uniform from the first check

@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lit_ddp.cli import cli_main
-from lit_ddp.monitoring import read_scalars
-from lit_ddp.tasks.regression import RegressionDataModule, RegressionModule
-from tests.helpers import REPO, free_port, lit_ddp, run, write_callbacks_config
+from lit_ddp.data.regression import RegressionDataModule
+from lit_ddp.tasks.regression import RegressionModule
+from lit_ddp.tensorboard import read_scalars
+from tests.callbacks import KillAtEpochStart
+from tests.helpers import QUIET, Runner, callback, compose, load_records, torchrun, wait
 
-CONFIGS = REPO / "configs" / "regression"
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
-
-def initial_val_loss(config: Path, root: Path) -> float:
+def initial_val_loss(configs: list[str], root: Path) -> float:
     """val/loss of the untrained model (same seed, so the same initial weights as the fit)."""
     # One in-process device: a DDP strategy here would relaunch sys.argv, i.e. pytest, as rank 1.
     one = ["--trainer.devices", "1", "--trainer.strategy", "auto"]
-    cli = cli_main(["validate", "--config", str(config), "--trainer.default_root_dir", str(root), *one, *QUIET])
+    cli = cli_main(["validate", *configs, "--trainer.default_root_dir", str(root), *one, *QUIET])
     return float(cli.trainer.callback_metrics["val/loss"])
 
 
@@ -68,10 +67,10 @@ def test_data_is_seeded_and_learnable() -> None:
 
 @pytest.mark.slow
 def test_single_device_learns(tmp_path: Path) -> None:
-    config = CONFIGS / "single_device.yaml"
-    before = initial_val_loss(config, tmp_path / "validate")
+    configs = compose("regression/single_device")
+    before = initial_val_loss(configs, tmp_path / "validate")
     root = tmp_path / "run"
-    cli = cli_main(["fit", "--config", str(config), "--trainer.default_root_dir", str(root), *QUIET])
+    cli = cli_main(["fit", *configs, "--trainer.default_root_dir", str(root), *QUIET])
     assert cli.trainer.current_epoch == 20  # the config's default epochs
     after = float(cli.trainer.callback_metrics["val/loss"])
     r2 = float(cli.trainer.callback_metrics["val/r2"])
@@ -93,15 +92,14 @@ def test_single_device_learns(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_ddp_two_processes(tmp_path: Path) -> None:
-    config = CONFIGS / "ddp.yaml"
-    before = initial_val_loss(config, tmp_path / "validate")
-    root, rec = tmp_path / "run", tmp_path / "rec"
-    extra = write_callbacks_config(tmp_path / "cb.yaml", ("tests.helpers.RecordRun", {"out_dir": str(rec)}))
-    out = run(lit_ddp("fit", "--config", str(config), "--config", str(extra),
-                      "--trainer.default_root_dir", str(root), *QUIET), timeout=200)  # fmt: skip
+def test_ddp_two_processes(tmp_path: Path, runner: Runner, recorder) -> None:
+    configs = compose("trainer/ddp", "regression/ddp")
+    before = initial_val_loss(configs, tmp_path / "validate")
+    root = tmp_path / "run"
+    extra, rec = recorder("cb")
+    out = runner.fit(*configs, "--config", str(extra), "--trainer.default_root_dir", str(root), *QUIET, timeout=200)
     assert out.returncode == 0, out.stdout[-5000:]
-    r0, r1 = (torch.load(rec / f"rank{r}.pt") for r in (0, 1))
+    r0, r1 = load_records(rec)
     assert r0["world_size"] == r1["world_size"] == 2
     assert {r0["global_rank"], r1["global_rank"]} == {0, 1}
     for epoch in (0, 7, 19):
@@ -118,16 +116,17 @@ def test_ddp_two_processes(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_torchrun_standalone(tmp_path: Path) -> None:
-    root, rec = tmp_path / "run", tmp_path / "rec"
-    extra = write_callbacks_config(tmp_path / "cb.yaml", ("tests.helpers.RecordRun", {"out_dir": str(rec)}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "lit_ddp", "fit", "--config", str(CONFIGS / "torchrun.yaml"), "--config", str(extra),
-           "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "3", *QUIET]  # fmt: skip
-    out = run(cmd, timeout=200)
+def test_torchrun_standalone(tmp_path: Path, runner: Runner, recorder) -> None:
+    root = tmp_path / "run"
+    extra, rec = recorder("cb")
+    cmd = torchrun("--standalone", "--nproc_per_node", "2",
+                   "-m", "lit_ddp", "fit", *compose("trainer/ddp", "regression/torchrun"), "--config", str(extra),
+                   "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "3", *QUIET)  # fmt: skip
+    out = runner.run(cmd, timeout=200)
     assert out.returncode == 0, out.stdout[-5000:]
-    for r in (0, 1):
-        record = torch.load(rec / f"rank{r}.pt")
+    records = load_records(rec)
+    assert len(records) == 2
+    for record in records:
         assert record["world_size"] == 2
         assert record["cluster_environment"] == "TorchElasticEnvironment"
         assert record["global_step"] == 3 * 28
@@ -137,41 +136,23 @@ def test_torchrun_standalone(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_multinode_two_agents(tmp_path: Path) -> None:
+def test_multinode_two_agents(tmp_path: Path, runner: Runner, recorder) -> None:
     """Two torchrun agents, one per "node", meet at a c10d rendezvous on 127.0.0.1 and train as one job."""
-    import subprocess
-
-    from tests.helpers import kill_group, subprocess_env
-
-    root, rec = tmp_path / "run", tmp_path / "rec"
-    extra = write_callbacks_config(tmp_path / "cb.yaml", ("tests.helpers.RecordRun", {"out_dir": str(rec)}))
-    port = free_port()
+    root = tmp_path / "run"
+    extra, rec = recorder("cb")
+    port = find_free_network_port()
     agents = []
-    try:
-        for node_rank in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
-                   "--nproc_per_node", "1", "--rdzv_id", "test", "--rdzv_backend", "c10d",
-                   "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", "join_timeout=120",
-                   "-m", "lit_ddp", "fit", "--config", str(CONFIGS / "multinode.yaml"), "--config", str(extra),
-                   "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "2", *QUIET]  # fmt: skip
-            agents.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=REPO,
-                    env=subprocess_env(),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )  # fmt: skip
-            )
-        outs = [a.communicate(timeout=200)[0] for a in agents]
-        for a, o in zip(agents, outs, strict=True):
-            assert a.returncode == 0, o[-5000:]
-    finally:
-        for a in agents:
-            kill_group(a)
-    records = [torch.load(rec / f"rank{r}.pt") for r in (0, 1)]
+    for node_rank in (0, 1):
+        cmd = torchrun("--nnodes", "2", "--node_rank", str(node_rank),
+                       "--nproc_per_node", "1", "--rdzv_id", "test", "--rdzv_backend", "c10d",
+                       "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", "join_timeout=120",
+                       "-m", "lit_ddp", "fit", *compose("trainer/ddp", "regression/multinode"), "--config", str(extra),
+                       "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "2", *QUIET)  # fmt: skip
+        agents.append(runner.start(cmd))
+    for out in [wait(a, 200) for a in agents]:
+        assert out.returncode == 0, out.stdout[-5000:]
+    records = load_records(rec)
+    assert len(records) == 2
     assert [r["world_size"] for r in records] == [2, 2]
     assert all(r["cluster_environment"] == "TorchElasticEnvironment" for r in records)
     assert torch.equal(records[0]["params"]["net.weight"], records[1]["params"]["net.weight"])
@@ -180,26 +161,22 @@ def test_multinode_two_agents(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_rerun_resumes_without_repeating_an_epoch(tmp_path: Path) -> None:
+def test_rerun_resumes_without_repeating_an_epoch(tmp_path: Path, runner: Runner, recorder) -> None:
     """Killed after its epoch-1 checkpoint, the same command resumes at epoch 2 and stops at max_epochs."""
-    root, rec = tmp_path / "run", tmp_path / "rec"
-    args = ["fit", "--config", str(CONFIGS / "single_device.yaml"), "--trainer.default_root_dir", str(root),
+    root = tmp_path / "run"
+    args = [*compose("regression/single_device"), "--trainer.default_root_dir", str(root),
             "--trainer.max_epochs", "5", "--checkpoint.every_n_epochs", "1", *QUIET]  # fmt: skip
-    killer = write_callbacks_config(
-        tmp_path / "kill.yaml",
-        ("tests.helpers.KillAtEpochStart", {"epoch": 2}),
-        ("tests.helpers.RecordRun", {"out_dir": str(rec)}),
-    )
-    first = run(lit_ddp(*args, "--config", str(killer)), timeout=120)
+    killer, rec = recorder("kill", callback(KillAtEpochStart, epoch=2))
+    first = runner.fit(*args, "--config", str(killer), timeout=120)
     assert first.returncode == -9, first.stdout[-3000:]
     saved = sorted(p.name for p in (root / "checkpoints").iterdir())
     assert saved == ["epoch=0-step=56.ckpt", "epoch=1-step=112.ckpt", "last.ckpt"]
     shutil.rmtree(rec, ignore_errors=True)
-    recorder = write_callbacks_config(tmp_path / "rec.yaml", ("tests.helpers.RecordRun", {"out_dir": str(rec)}))
-    second = run(lit_ddp(*args, "--config", str(recorder)), timeout=120)  # the same command, no resume flag
+    record_only, rec = recorder("rec")
+    second = runner.fit(*args, "--config", str(record_only), timeout=120)  # the same command, no resume flag
     assert second.returncode == 0, second.stdout[-3000:]
     assert "Restoring states from the checkpoint path at" in second.stdout
-    record = torch.load(rec / "rank0.pt")
+    [record] = load_records(rec)
     assert sorted(record["epochs"]) == [2, 3, 4], "resumed at epoch 2, no epoch repeated"
     assert record["global_step"] == 5 * 56
     last = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)

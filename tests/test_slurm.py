@@ -10,20 +10,26 @@ import json
 import os
 import re
 import subprocess
-import sys
 import uuid
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lit_ddp.cli import cli_main
-from lit_ddp.launch import LAUNCH_ERROR_EXIT_CODE, LaunchError, check_launch, devices_per_node, enforce_launch
-from tests.helpers import REPO, SHARED_TEXT, free_port, write_callbacks_config
+from lit_ddp.preflight import UsageError, check_launch, devices_per_node
+from lit_ddp.reporting import USAGE_EXIT_CODE, report
+from tests.callbacks import KillAtEpochStart, PauseForSignal, RecordStart
+from tests.helpers import QUIET, REPO, callback, compose, lit_ddp, recorder_config
 from tests.helpers_slurm import cancel, job_info, require_cluster, run_srun, sbatch, wait_for, wait_job_done
 
+# What slurm/train.sbatch is given (it composes configs/trainer/ddp.yaml and configs/trainer/slurm.yaml
+# before it), and the same composition for srun by hand.
 CONFIG = "configs/regression/slurm.yaml"
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+SRUN_CONFIGS = compose("trainer/ddp", "trainer/slurm", "regression/slurm")
 EPOCHS = 3
 STEPS_PER_EPOCH = 28  # 1792 train samples / (32 per device * 2 devices)
 PAUSE_STEP = 40  # mid-epoch 1: the preemption lands inside an epoch
@@ -118,7 +124,7 @@ def test_good_launches_pass(env: dict, trainer: dict) -> None:
 
 @pytest.mark.parametrize("env,trainer,match", BAD.values(), ids=BAD.keys())
 def test_bad_launches_name_the_fix(env: dict, trainer: dict, match: str) -> None:
-    with pytest.raises(LaunchError, match=match):
+    with pytest.raises(UsageError, match=match):
         check_launch(trainer, env)
 
 
@@ -126,22 +132,23 @@ def test_devices_per_node() -> None:
     assert [devices_per_node(d) for d in (2, "2", [0, 1], "0,1,", "auto", -1, None)] == [2, 2, 2, 2, None, None, None]
 
 
-def test_enforce_prints_once_and_exits(capsys: pytest.CaptureFixture) -> None:
+def test_report_prints_once_and_exits(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     env = without(SRUN_2, "SLURM_NTASKS_PER_NODE")
-    for rank in ("0", "1"):
+    for rank in (0, 1):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)  # as Lightning sets it from SLURM_PROCID in each task
         with pytest.raises(SystemExit) as exc:
-            enforce_launch({"devices": 2}, {**env, "SLURM_PROCID": rank})
-        assert exc.value.code == LAUNCH_ERROR_EXIT_CODE
+            report(partial(check_launch, {"devices": 2}, {**env, "SLURM_PROCID": str(rank)}))
+        assert exc.value.code == USAGE_EXIT_CODE
     err = capsys.readouterr().err
-    assert err.count("lit-ddp: launch error:") == 1, err  # task 0 only
+    assert err.count("lit-ddp: error:") == 1, err  # task 0 only
 
 
 def test_cli_refuses_slurm_config_outside_slurm(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
     for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
         monkeypatch.delenv(key)
     with pytest.raises(SystemExit) as exc:
-        cli_main(["fit", "--config", str(REPO / CONFIG), "--trainer.default_root_dir", str(tmp_path), *QUIET])
-    assert exc.value.code == LAUNCH_ERROR_EXIT_CODE
+        cli_main(["fit", *SRUN_CONFIGS, "--trainer.default_root_dir", str(tmp_path), *QUIET])
+    assert exc.value.code == USAGE_EXIT_CODE
     assert "not a Slurm job" in capsys.readouterr().err
     assert not any(tmp_path.iterdir()), "nothing was started"
 
@@ -153,7 +160,8 @@ def test_sbatch_scripts_as_the_issue_asks() -> None:
     elastic = (REPO / "slurm" / "train_elastic.sbatch").read_text()
     for line in ("#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
         assert line in train
-    assert re.search(r"srun .*\"\$PYTHON\" -m lit_ddp fit --config \"\$CONFIG\"", train)
+    # srun python -m lit_ddp fit, the fragments (configs/trainer/*.yaml) composed before CONFIG
+    assert re.search(r"srun .*\"\$PYTHON\" -m lit_ddp fit[\s\\]+(--config \S+\s+)*--config \"\$CONFIG\"", train)
     assert re.search(r"torchrun.*--nnodes \"\$SLURM_NNODES\" --nproc_per_node \"\$NPROC\"", elastic)
     assert "--max-restarts" in elastic and "--rdzv_backend c10d" in elastic and ":${RDZV_PORT:-29500}" in elastic
     for text in (train, elastic):  # site details belong on the sbatch command line
@@ -174,13 +182,10 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def callbacks_yaml(path: Path, record_dir: Path, *extra: tuple[str, dict]) -> Path:
-    return write_callbacks_config(
-        path,
-        ("tests.helpers.RecordRun", {"out_dir": str(record_dir)}),
-        ("tests.helpers_slurm.RecordStart", {"out_dir": str(record_dir)}),
-        *extra,
-    )
+def callbacks_yaml(directory: Path, *extra: tuple[str, dict]) -> tuple[Path, Path]:
+    """RecordRun and RecordStart into one record directory, plus ``extra``: (fragment, record directory)."""
+    record_dir = directory / "callbacks" / "rec"
+    return recorder_config(directory, "callbacks", callback(RecordStart, out_dir=str(record_dir)), *extra)
 
 
 def starts(record_dir: Path) -> dict[str, dict]:
@@ -191,13 +196,13 @@ def starts(record_dir: Path) -> dict[str, dict]:
 @pytest.mark.multiprocess
 def test_srun_trains_with_slurm_environment(cluster, tmp_path: Path) -> None:
     name = unique("t")
-    cb = callbacks_yaml(tmp_path / "callbacks.yaml", tmp_path / "record")
-    cmd = ["srun", "-J", name, "-N1", "--ntasks-per-node=2", sys.executable, "-m", "lit_ddp", "fit"]
-    cmd += ["--config", CONFIG, "--config", str(cb), "--trainer.default_root_dir", str(tmp_path / "run")]
+    cb, record_dir = callbacks_yaml(tmp_path)
+    cmd = ["srun", "-J", name, "-N1", "--ntasks-per-node=2", *lit_ddp("fit")]
+    cmd += [*SRUN_CONFIGS, "--config", str(cb), "--trainer.default_root_dir", str(tmp_path / "run")]
     result = run_srun([*cmd, "--trainer.max_epochs", "1", *QUIET], timeout=180, job_name=name)
     assert result.returncode == 0, result.stdout[-5000:]
     for rank in (0, 1):
-        record = torch.load(tmp_path / "record" / f"rank{rank}.pt", weights_only=False)
+        record = torch.load(record_dir / f"rank{rank}.pt", weights_only=False)
         assert record["world_size"] == 2
         assert record["global_rank"] == rank
         assert record["cluster_environment"] == "SLURMEnvironment"
@@ -222,14 +227,14 @@ MISLAUNCHES = {
 @pytest.mark.parametrize("srun_args,extra,bad,fix", MISLAUNCHES.values(), ids=MISLAUNCHES.keys())
 def test_mislaunch_fails_fast_with_one_message(cluster, tmp_path: Path, srun_args, extra, bad, fix) -> None:
     name = unique("mis")
-    lit = [sys.executable, "-m", "lit_ddp", "fit", "--config", CONFIG, "--trainer.default_root_dir", str(tmp_path)]
+    lit = lit_ddp("fit", *SRUN_CONFIGS, "--trainer.default_root_dir", str(tmp_path))
     if extra == "bash":  # the job takes its name from the program: "bash", i.e. interactive for Lightning
         cmd = ["srun", *srun_args, "bash", "-c", " ".join([*lit, *QUIET])]
     else:
         cmd = ["srun", "-J", name, *srun_args, *lit, *extra, *QUIET]
     result = run_srun(cmd, timeout=120, job_name="bash" if extra == "bash" else name)
-    assert result.returncode == LAUNCH_ERROR_EXIT_CODE, result.stdout[-5000:]
-    errors = [line for line in result.stdout.splitlines() if "lit-ddp: launch error:" in line]
+    assert result.returncode == USAGE_EXIT_CODE, result.stdout[-5000:]
+    errors = [line for line in result.stdout.splitlines() if "lit-ddp: error:" in line]
     assert len(errors) == 1, result.stdout[-5000:]
     assert bad in errors[0] and fix in errors[0], errors[0]
     assert "Traceback" not in result.stdout
@@ -239,7 +244,7 @@ def test_mislaunch_fails_fast_with_one_message(cluster, tmp_path: Path, srun_arg
 def uninterrupted(cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, Path]:
     """An sbatch job of slurm/train.sbatch run to the end: (final job info, its output file, record dir)."""
     tmp = tmp_path_factory.mktemp("sbatch_reference")
-    cb = callbacks_yaml(tmp / "callbacks.yaml", tmp / "record")
+    cb, record_dir = callbacks_yaml(tmp)
     out = tmp / "job.out"
     args = [CONFIG, "--config", str(cb), "--trainer.default_root_dir", str(tmp / "run")]
     args += ["--trainer.max_epochs", str(EPOCHS), *QUIET]
@@ -249,7 +254,7 @@ def uninterrupted(cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[di
         info = wait_job_done(job, timeout=240, output=out)
     finally:
         cancel(job)
-    return info, out, tmp / "record"
+    return info, out, record_dir
 
 
 @pytest.mark.slurm
@@ -271,9 +276,9 @@ def test_sbatch_completes_with_training_log(uninterrupted) -> None:
 def test_preemption_requeues_and_resumes(uninterrupted, tmp_path: Path) -> None:
     """scancel --signal=USR1 mid-epoch: hpc checkpoint, requeue, resume at the saved step, same result."""
     _, _, reference_dir = uninterrupted
-    record_dir, root, out = tmp_path / "record", tmp_path / "run", tmp_path / "job.out"
-    pause = ("tests.helpers_slurm.PauseForSignal", {"step": PAUSE_STEP, "out_dir": str(tmp_path / "pause")})
-    cb = callbacks_yaml(tmp_path / "callbacks.yaml", record_dir, pause)
+    root, out = tmp_path / "run", tmp_path / "job.out"
+    pause = callback(PauseForSignal, step=PAUSE_STEP, out_dir=str(tmp_path / "pause"))
+    cb, record_dir = callbacks_yaml(tmp_path, pause)
     args = [CONFIG, "--config", str(cb), "--trainer.default_root_dir", str(root)]
     args += ["--trainer.max_epochs", str(EPOCHS), *QUIET]
     job = None
@@ -291,7 +296,8 @@ def test_preemption_requeues_and_resumes(uninterrupted, tmp_path: Path) -> None:
         cancel(job)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED", log[-5000:]
-    assert "Handling auto-requeue signal" in log
+    assert f"SIGUSR1 received: saving {root}/hpc_ckpt_1.ckpt at global_step {PAUSE_STEP}" in log
+    assert f"Requeued Slurm job {job}" in log
     assert (root / "hpc_ckpt_1.ckpt").exists()
     # --open-mode=append: the output holds both runs
     assert re.search(rf"\[train.sbatch\] job {job} restart 0 ", log) and re.search(rf"job {job} restart 1 ", log)
@@ -313,10 +319,12 @@ def test_preemption_requeues_and_resumes(uninterrupted, tmp_path: Path) -> None:
 @pytest.mark.slurm
 @pytest.mark.multiprocess
 def test_elastic_sbatch_survives_a_killed_worker(cluster, tmp_path: Path) -> None:
-    record_dir, root, out = tmp_path / "record", tmp_path / "run", tmp_path / "job.out"
-    kill = ("tests.helpers_slurm.KillWorkerOnce", {"epoch": 1, "rank": 1, "marker": str(tmp_path / "killed")})
-    cb = callbacks_yaml(tmp_path / "callbacks.yaml", record_dir, kill)
-    args = ["configs/regression/torchrun.yaml", "--config", str(cb), "--trainer.default_root_dir", str(root)]
+    root, out = tmp_path / "run", tmp_path / "job.out"
+    kill = callback(KillAtEpochStart, epoch=1, rank=1, marker=str(tmp_path / "killed"))
+    cb, record_dir = callbacks_yaml(tmp_path, kill)
+    # CONFIG is the step config; the DDP fragment (strategy only) composed after it changes no layout.
+    args = ["configs/regression/torchrun.yaml", *compose("trainer/ddp"), "--config", str(cb)]
+    args += ["--trainer.default_root_dir", str(root)]
     args += ["--trainer.max_epochs", str(EPOCHS), "--checkpoint.every_n_epochs", "1", *QUIET]
     job = None
     try:
@@ -326,7 +334,7 @@ def test_elastic_sbatch_survives_a_killed_worker(cluster, tmp_path: Path) -> Non
             ["-J", unique("elastic"), "-o", str(out), "-N1"],
             NPROC_PER_NODE="2",
             MAX_RESTARTS="2",
-            RDZV_PORT=str(free_port()),
+            RDZV_PORT=str(find_free_network_port()),
         )
         info = wait_job_done(job, timeout=300, output=out)
     finally:
@@ -347,14 +355,12 @@ def test_elastic_sbatch_survives_a_killed_worker(cluster, tmp_path: Path) -> Non
 @pytest.mark.slurm
 @pytest.mark.multiprocess
 def test_sbatch_trains_mingpt(cluster, tmp_path: Path) -> None:
-    """The same sbatch script runs the other task: minGPT with configs/mingpt/slurm.yaml, a few steps."""
-    text = Path(os.environ.get("LIT_DDP_DATA") or SHARED_TEXT)
-    if not text.is_file():
-        pytest.skip(f"no local Tiny Shakespeare at {text} (set LIT_DDP_DATA); tests do not download")
-    record_dir, out = tmp_path / "record", tmp_path / "job.out"
-    cb = callbacks_yaml(tmp_path / "callbacks.yaml", record_dir)
+    """The same sbatch script runs the other task: minGPT with configs/mingpt/slurm.yaml, a few steps, on the
+    packaged Tiny Shakespeare."""
+    out = tmp_path / "job.out"
+    cb, record_dir = callbacks_yaml(tmp_path)
     args = ["configs/mingpt/slurm.yaml", "--config", str(cb), "--trainer.default_root_dir", str(tmp_path / "run")]
-    args += ["--data.init_args.data", str(text), "--data.init_args.truncate", "0.1"]
+    args += ["--data.init_args.truncate", "0.1"]
     args += ["--trainer.max_steps", "5", "--trainer.limit_val_batches", "2", *QUIET]
     job = None
     try:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -16,13 +14,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lit_ddp.cli import cli_main
-from lit_ddp.monitoring import read_hparams, read_scalars, read_text, scalar_tags
-from tests.helpers import REPO, free_port, kill_group, subprocess_env
-from tests.helpers_gpt import SHARED_TEXT, TINY_ARGS
-
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+from lit_ddp.tensorboard import read_hparams, read_scalars, read_text, scalar_tags
+from tests.helpers import QUIET, TINY_GPT_ARGS, Runner, compose
 
 # The exact scalar tags of one-process runs (the README's monitoring section lists them).
 REGRESSION_SCALARS = {"train/loss_step", "train/loss_epoch", "val/loss", "val/r2", "lr-SGD", "epoch"}
@@ -50,7 +46,7 @@ GPT_SCALARS = {
 def regression_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("regression")
     cli_main(
-        ["fit", "--config", str(REPO / "configs/regression/single_device.yaml"), *QUIET]
+        ["fit", *compose("regression/single_device"), *QUIET]
         + ["--trainer.default_root_dir", str(root), "--trainer.max_epochs", "3", "--trainer.log_every_n_steps", "5"]
     )
     return root
@@ -59,11 +55,8 @@ def regression_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mingpt")
-    text = SHARED_TEXT if SHARED_TEXT.exists() else os.environ.get("LIT_DDP_DATA")
-    if not text or not Path(text).is_file():
-        pytest.skip("no local Tiny Shakespeare (../shared/data or $LIT_DDP_DATA); tests never download")
-    cli_main(
-        ["fit", "--config", str(REPO / "configs/mingpt/cpu.yaml"), *TINY_ARGS, "--data.init_args.data", str(text)]
+    cli_main(  # the packaged Tiny Shakespeare: no data path
+        ["fit", *compose("trainer/ddp", "mingpt/cpu"), *TINY_GPT_ARGS]
         + ["--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.default_root_dir", str(root)]
         + ["--trainer.max_steps", "30", "--trainer.val_check_interval", "10", "--trainer.limit_val_batches", "2"]
         + ["--trainer.log_every_n_steps", "5"]
@@ -110,38 +103,27 @@ def get_json(url: str) -> object:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_tensorboard_server_serves_the_logged_val_loss(regression_run: Path) -> None:
+def test_tensorboard_server_serves_the_logged_val_loss(regression_run: Path, runner: Runner) -> None:
     """A real ``tensorboard`` process: its HTTP data API returns the val/loss points of the event files."""
     exe = Path(sys.executable).with_name("tensorboard")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tensorboard.main"]
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).exists():
         pytest.skip("tensorboard is not installed")
-    port = free_port()
-    proc = subprocess.Popen(
-        [*cmd, "--logdir", str(regression_run), "--host", "127.0.0.1", "--port", str(port)],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    port = find_free_network_port()
+    proc = runner.start([*cmd, "--logdir", str(regression_run), "--host", "127.0.0.1", "--port", str(port)])
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        runs: object = []
-        while not runs:  # up, and done loading the log
-            if proc.poll() is not None:
-                raise AssertionError(f"tensorboard exited with {proc.returncode}:\n{proc.stdout.read()}")
-            if time.monotonic() > deadline:
-                raise AssertionError("tensorboard did not serve any run within 90 s")
-            with contextlib.suppress(OSError):  # not listening yet
-                runs = get_json(f"{base}/data/runs")
-            if not runs:
-                time.sleep(0.5)
-        assert runs == ["."]  # the event files lie directly in the run directory
-        query = urllib.parse.urlencode({"run": runs[0], "tag": "val/loss"})
-        points = get_json(f"{base}/data/plugin/scalars/scalars?{query}")  # [[wall_time, step, value], ...]
-        assert [(step, value) for _, step, value in points] == read_scalars(regression_run, "val/loss")
-    finally:
-        kill_group(proc)
-        proc.wait(10)
+    deadline = time.monotonic() + 90
+    runs: object = []
+    while not runs:  # up, and done loading the log
+        if proc.poll() is not None:
+            raise AssertionError(f"tensorboard exited with {proc.returncode}:\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            raise AssertionError("tensorboard did not serve any run within 90 s")
+        with contextlib.suppress(OSError):  # not listening yet
+            runs = get_json(f"{base}/data/runs")
+        if not runs:
+            time.sleep(0.5)
+    assert runs == ["."]  # the event files lie directly in the run directory
+    query = urllib.parse.urlencode({"run": runs[0], "tag": "val/loss"})
+    points = get_json(f"{base}/data/plugin/scalars/scalars?{query}")  # [[wall_time, step, value], ...]
+    assert [(step, value) for _, step, value in points] == read_scalars(regression_run, "val/loss")

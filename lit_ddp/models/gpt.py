@@ -4,6 +4,14 @@ Sources: Andrej Karpathy's nanoGPT ``model.py`` (structure, GPT-2 initialization
 (named presets, the AdamW parameter groups), both MIT-licensed; the PyTorch DDP tutorial's
 ``minGPT-ddp/mingpt/model.py`` for the tutorial's sizes.
 
+Optional changes, all off by default (then the model is the GPT-2 one above, bit for bit), each credited by
+the NanoGPT speedrun's record log (github.com/KellerJordan/modded-nanogpt, README "World record
+history", records numbered as there): rotary position embeddings (``rope``; record 2, 06/06/24), QK-norm
+(``qk_norm``), ReLU² (``activation="relu2"``) and zero-initialized projections (``zero_init_proj``; all
+three record 5, 10/14/24), an untied head (``tie_weights=False``; record 8, 11/03/24), and the Muon
+optimizer for the blocks' matrices (:func:`muon_param_groups`; records 3-4). The papers are named at each
+``GPTConfig`` field.
+
 The tutorial's model passes a float 0/1 ``tril`` mask to ``nn.MultiheadAttention``. A float mask is *added*
 to the attention scores, so the future is not blocked (it gets +0, the past +1) and that model sees future
 tokens. Here attention goes through ``F.scaled_dot_product_attention(is_causal=True)``: position ``t`` only
@@ -40,7 +48,8 @@ class GPTConfig:
     """Sizes of a :class:`GPT`.
 
     Raises:
-        ValueError: a non-positive size, ``n_embd`` not divisible by ``n_head``, or ``dropout`` outside [0, 1).
+        ValueError: a non-positive size, ``n_embd`` not divisible by ``n_head``, ``dropout`` outside [0, 1),
+            an unknown ``activation``, or ``rope`` with an odd head size.
     """
 
     n_layer: int = 3
@@ -57,6 +66,24 @@ class GPTConfig:
     """Dropout probability on embeddings, attention weights and residual branches."""
     bias: bool = True
     """Biases in Linear and LayerNorm layers (GPT-2 has them; False is slightly faster)."""
+    rope: bool = False
+    """Rotary position embeddings: q and k of every head are rotated by position-dependent angles, so scores
+    depend on relative positions, and there is no learned position embedding ``wpe`` (Su et al., "RoFormer",
+    arXiv:2104.09864; speedrun record 2). Needs an even head size."""
+    qk_norm: bool = False
+    """RMSNorm of q and k of every head before attention, with a learned gain per head dimension (Henry et
+    al., "Query-Key Normalization for Transformers", arXiv:2010.04245; Dehghani et al., arXiv:2302.05442;
+    speedrun record 5, there without the gain)."""
+    activation: str = "gelu"
+    """MLP nonlinearity: ``"gelu"`` (GPT-2) or ``"relu2"``, ``relu(x)**2`` (So et al., "Primer",
+    arXiv:2109.08668; speedrun record 5)."""
+    tie_weights: bool = True
+    """The output head shares its weight with the token embedding (GPT-2, "Using the Output Embedding to
+    Improve Language Models", Press & Wolf, arXiv:1608.05859); False gives the head its own weight (speedrun
+    record 8)."""
+    zero_init_proj: bool = False
+    """The residual branches' output projections (``*.c_proj.weight``) start at zero, so every block starts
+    as the identity; with ``tie_weights=False`` the head starts at zero too (speedrun records 5 and 8)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -66,9 +93,13 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} must be one of {sorted(ACTIVATIONS)}")
+        if self.rope and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rope needs an even head size; n_embd // n_head = {self.n_embd // self.n_head}")
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: int | float | bool) -> GPTConfig:
+    def from_preset(cls, name: str, **overrides: int | float | bool | str) -> GPTConfig:
         """A config from a named preset (``gpt-nano``, ``gpt-micro``, ``gpt-mini``, ``tutorial``) and overrides.
 
         Raises:
@@ -83,6 +114,32 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+class Rotary(nn.Module):
+    """Rotary position embedding (RoFormer): rotates pairs of head dimensions ``(i, i + hs/2)`` of a query or
+    key at position ``t`` by the angle ``t * base**(-2i/hs)``. The tables are buffers left out of the
+    state_dict (they follow from the sizes).
+
+    Args:
+        head_size: hs, even.
+        max_len: longest sequence (``block_size``).
+        base: wavelength base (RoFormer's 10000).
+    """
+
+    def __init__(self, head_size: int, max_len: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hs/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, nh, T, hs) -> (B, nh, T, hs)``."""
+        T = x.size(-2)
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)  # (T, hs/2)
+        x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, nh, T, hs/2)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position ``t`` attends only to positions ``<= t``."""
 
@@ -93,6 +150,10 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v together
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        hs = config.n_embd // config.n_head
+        self.q_norm = nn.RMSNorm(hs) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(hs) if config.qk_norm else None
+        self.rotary = Rotary(hs, config.block_size) if config.rope else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)``."""
@@ -101,6 +162,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # (B, nh, T, hs)
@@ -108,19 +173,29 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+class ReLU2(nn.Module):
+    """``relu(x)**2`` (Primer's squared ReLU), elementwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x).square()
+
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {"gelu": nn.GELU, "relu2": ReLU2}
+
+
 class MLP(nn.Module):
-    """Position-wise feed-forward: ``C -> 4C -> GELU -> C``."""
+    """Position-wise feed-forward: ``C -> 4C -> activation (GELU) -> C``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.act = ACTIVATIONS[config.activation]()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)``."""
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -143,8 +218,9 @@ class GPT(nn.Module):
     """A GPT-2 style decoder-only transformer over token ids.
 
     Weights are initialized as in GPT-2: normal(0, 0.02) for Linear and Embedding weights, zero biases,
-    and the residual projections (``*.c_proj.weight``) scaled down to std ``0.02 / sqrt(2 * n_layer)``.
-    The output head shares its weight with the token embedding (weight tying).
+    and the residual projections (``*.c_proj.weight``) scaled down to std ``0.02 / sqrt(2 * n_layer)``
+    (zero with ``zero_init_proj``). The output head shares its weight with the token embedding (weight
+    tying) unless ``tie_weights`` is False.
 
     Args:
         config: the sizes.
@@ -153,21 +229,24 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            {
-                "wte": nn.Embedding(config.vocab_size, config.n_embd),
-                "wpe": nn.Embedding(config.block_size, config.n_embd),
-                "drop": nn.Dropout(config.dropout),
-                "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-                "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
-            }
-        )
+        modules: dict[str, nn.Module] = {"wte": nn.Embedding(config.vocab_size, config.n_embd)}
+        if not config.rope:  # rotary embeddings encode positions inside attention instead
+            modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        modules["drop"] = nn.Dropout(config.dropout)
+        modules["h"] = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        modules["ln_f"] = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.transformer = nn.ModuleDict(modules)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        if config.tie_weights:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                if config.zero_init_proj:  # after the draw: the other weights' values stay the same
+                    nn.init.zeros_(p)
+        if config.zero_init_proj and not config.tie_weights:
+            nn.init.zeros_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -179,11 +258,14 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_parameters(self, non_embedding: bool = True) -> int:
-        """Parameter count; ``non_embedding`` leaves out the position embedding (the token embedding is
-        shared with the head, so it counts), as nanoGPT reports it."""
+        """Parameter count; ``non_embedding`` leaves out the lookup tables, as nanoGPT reports it: the
+        position embedding, and the token embedding unless it is tied to the head (then it counts)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_weights:
+                n -= self.transformer.wte.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -213,8 +295,10 @@ class GPT(nn.Module):
         B, T = idx.shape
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if "wpe" in self.transformer:
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            x = x + self.transformer.wpe(pos)  # (B, T, C)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x)  # (B, T, C)
@@ -296,3 +380,17 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": list(decay.values()), "weight_decay": weight_decay},
         {"params": list(no_decay.values()), "weight_decay": 0.0},
     ]
+
+
+def muon_param_groups(model: GPT) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Splits a GPT's parameters for ``torch.optim.Muon`` + ``torch.optim.AdamW`` (speedrun records 3-4;
+    Keller Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024): Muon orthogonalizes
+    the update of a 2-D matrix, so it takes the blocks' Linear weights; the embeddings, the head, norms and
+    biases go to AdamW.
+
+    Returns:
+        ``(hidden_matrices, others)``: every parameter once (a tied embedding/head counts once, in ``others``).
+    """
+    hidden = {id(p): p for p in model.transformer.h.parameters() if p.ndim == 2}
+    others = [p for p in model.parameters() if id(p) not in hidden]
+    return list(hidden.values()), others

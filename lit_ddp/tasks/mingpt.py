@@ -61,6 +61,11 @@ class GPTModule(LightningModule):
         sample_prompt: prompt of the text sample at each validation end.
         sample_tokens: characters sampled at each validation end; 0 turns sampling off.
         available_flops: peak FLOP/s of one device (process), for MFU; see ``bench/matmul_peak.py``.
+        rope: rotary position embeddings instead of learned ones (:class:`GPTConfig`, RoFormer).
+        qk_norm: RMSNorm of each head's q and k (:class:`GPTConfig`).
+        activation: MLP nonlinearity, ``"gelu"`` (GPT-2) or ``"relu2"`` (Primer).
+        tie_weights: the head shares the token embedding's weight (GPT-2); False unties it.
+        zero_init_proj: residual output projections (and an untied head) start at zero.
 
     Raises:
         ValueError: an unknown preset or an invalid size, rate or schedule.
@@ -86,6 +91,11 @@ class GPTModule(LightningModule):
         sample_prompt: str = DEFAULT_PROMPT,
         sample_tokens: int = 200,
         available_flops: float | None = None,
+        rope: bool = False,
+        qk_norm: bool = False,
+        activation: str = "gelu",
+        tie_weights: bool = True,
+        zero_init_proj: bool = False,
     ) -> None:
         super().__init__()
         if model_type not in PRESETS:
@@ -121,6 +131,7 @@ class GPTModule(LightningModule):
             vocab_size=vocab_size,
             dropout=hp.dropout,
             bias=hp.bias,
+            **{k: hp[k] for k in ("rope", "qk_norm", "activation", "tie_weights", "zero_init_proj") if k in hp},
         )
 
     # ---- model construction and the vocabulary

@@ -1,0 +1,99 @@
+"""Plain-PyTorch pieces shared by the GPT benchmarks: Tiny Shakespeare as token ids, nanoGPT-style random
+batches, the warmup + cosine learning rate, and a loss estimate. Only torch, numpy and the standard library:
+the loops that use them measure PyTorch, not this package's Lightning code.
+
+The text is the package's embedded copy (``lit_ddp/data/tinyshakespeare.txt.gz``), read straight from the
+file so that no network and no package import is involved.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT_GZ = REPO / "lit_ddp" / "data" / "tinyshakespeare.txt.gz"
+TEXT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+def load_splits(train_fraction: float = 0.9) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Tiny Shakespeare as nanoGPT's ``shakespeare_char/prepare.py`` makes it: the vocabulary is the sorted
+    distinct characters of the whole text; the first ``train_fraction`` of the characters train, the rest
+    validate.
+
+    Returns:
+        ``(vocab, train_ids (N_train,), val_ids (N_val,))``, ids int64; character ``vocab[i]`` is id ``i``.
+
+    Raises:
+        ValueError: the embedded file is damaged (sha256 mismatch).
+    """
+    raw = gzip.decompress(TEXT_GZ.read_bytes())
+    if hashlib.sha256(raw).hexdigest() != TEXT_SHA256:
+        raise ValueError(f"{TEXT_GZ} does not hold Tiny Shakespeare (sha256 mismatch)")
+    text = raw.decode("utf-8")
+    vocab = "".join(sorted(set(text)))
+    table = np.zeros(max(map(ord, vocab)) + 1, dtype=np.int64)
+    table[[ord(c) for c in vocab]] = np.arange(len(vocab))
+    ids = torch.from_numpy(table[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)])
+    n = int(len(ids) * train_fraction)
+    return vocab, ids[:n], ids[n:]
+
+
+def get_batch(
+    data: torch.Tensor, block_size: int, batch_size: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_size`` windows at uniformly random starts, as nanoGPT's ``get_batch``:
+    ``ix = randint(len(data) - block_size, (batch_size,))``.
+
+    Returns:
+        ``(x, y)``, both ``(B, T)`` int64, ``y`` shifted by one token.
+    """
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([data[i : i + block_size] for i in ix.tolist()])  # (B, T)
+    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix.tolist()])  # (B, T)
+    return x, y
+
+
+def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, decay_steps: int) -> float:
+    """nanoGPT's ``get_lr``: linear warmup ``lr * (step + 1) / (warmup + 1)``, then a cosine from ``lr`` to
+    ``min_lr`` at ``decay_steps``, ``min_lr`` afterwards."""
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    if step > decay_steps:
+        return min_lr
+    ratio = (step - warmup) / max(1, decay_steps - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+@torch.no_grad()
+def estimate_loss(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: int, iters: int) -> float:
+    """Mean loss (nats per token) over ``iters`` random batches of ``data`` (nanoGPT's ``estimate_loss``),
+    in eval mode; the global RNG draws the batches."""
+    was_training = model.training
+    model.eval()
+    losses = [model(*get_batch(data, block_size, batch_size))[1].item() for _ in range(iters)]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def full_loss(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: int = 256) -> float:
+    """Token-weighted mean loss over all disjoint windows of ``data`` (stride ``block_size``), as the
+    Lightning job's ``val/loss`` measures it; deterministic."""
+    n = (len(data) - 1) // block_size
+    x = data[: n * block_size].view(n, block_size)  # (n, T)
+    y = data[1 : n * block_size + 1].view(n, block_size)  # (n, T)
+    was_training = model.training
+    model.eval()
+    total = sum(
+        model(x[i : i + batch_size], y[i : i + batch_size])[1].item() * len(x[i : i + batch_size])
+        for i in range(0, n, batch_size)
+    )
+    model.train(was_training)
+    return total / n

@@ -1,0 +1,235 @@
+"""Test-only callbacks that CLI runs in subprocesses load by class path, through a YAML fragment
+(``tests.helpers.write_callbacks_config`` with ``tests.helpers.callback``): the training processes themselves
+record what each rank saw, or die / wait at chosen points; the tests read the files back.
+
+Schedules that must survive the restart of the process they kill keep their state in files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lit_ddp import signals
+
+
+def _write(directory: str, name: str, text: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    Path(directory, name).write_text(text)
+
+
+def _kills_so_far(state_dir: str) -> int:
+    """How many kills the schedule in ``state_dir`` has done so far (its ``killed_<i>`` markers)."""
+    return len(list(Path(state_dir).glob("killed_*")))
+
+
+def _slurm_restart_count() -> int:
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def _sleep(seconds: float, until_signal: bool = False) -> None:
+    """Sleeps in short slices, so that Python-level signal handlers run between them; with ``until_signal``,
+    returns as soon as a preemption signal has been recorded (:mod:`lit_ddp.signals`)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (until_signal and signals.requested() is not None):
+        time.sleep(0.05)
+
+
+class RecordRun(Callback):
+    """Writes ``<out_dir>/rank<R>.pt`` at the end of fit: what this process saw of the run.
+
+    Fields: ``world_size``, ``global_rank``, ``cluster_environment`` (class name), ``epochs`` (epoch -> the
+    training inputs ``batch[0]`` this rank was fed, concatenated), ``start_step`` (the global step this
+    process started training at), ``optimizer_steps`` (steps it took), ``global_step`` (final) and ``params``
+    (the final state_dict).
+
+    Args:
+        out_dir: where to write; created if missing.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.epochs: dict[int, list[torch.Tensor]] = {}
+        self.start_step = -1
+        self.optimizer_steps = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.start_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self.epochs.setdefault(trainer.current_epoch, []).append(batch[0].detach().cpu().clone())
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        self.optimizer_steps += 1
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        record = {
+            "world_size": trainer.world_size,
+            "global_rank": trainer.global_rank,
+            "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+            "epochs": {e: torch.cat(xs) for e, xs in self.epochs.items()},
+            "start_step": self.start_step,
+            "optimizer_steps": self.optimizer_steps,
+            "global_step": trainer.global_step,
+            "params": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
+        }
+        torch.save(record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+class RecordMetrics(Callback):
+    """Writes ``<out_dir>/rank<R>.json`` after every validation (not the sanity check): the global step and
+    the trainer's ``callback_metrics`` as floats, as this rank sees them.
+
+    Args:
+        out_dir: where to write; created if missing.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        record = {
+            "global_rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        }
+        _write(self.out_dir, f"rank{trainer.global_rank}.json", json.dumps(record))
+
+
+class RecordStart(Callback):
+    """Writes ``<out_dir>/start_r<S>_t<T>_rank<R>.json`` when fit starts: where this (re)run begins, with
+    ``S`` = ``$SLURM_RESTART_COUNT`` (requeues) and ``T`` = ``$TORCHELASTIC_RESTART_COUNT`` (0 when unset).
+
+    Args:
+        out_dir: where to write; created if missing.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        record = {
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+            "torchelastic_restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+            "world_size": trainer.world_size,
+            "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+        }
+        name = f"start_r{_slurm_restart_count()}_t{record['torchelastic_restart_count'] or 0}"
+        _write(self.out_dir, f"{name}_rank{trainer.global_rank}.json", json.dumps(record))
+
+
+class KillAtEpochStart(Callback):
+    """SIGKILLs its own process when training epoch ``epoch`` starts, as a crash or an OOM kill would.
+
+    Args:
+        epoch: the zero-based epoch at whose start to die.
+        rank: the global rank that dies; None: every rank.
+        marker: if given, a file written before the kill; while it exists nobody dies again (restarted
+            workers survive).
+    """
+
+    def __init__(self, epoch: int, rank: int | None = None, marker: str | None = None) -> None:
+        self.epoch, self.rank, self.marker = epoch, rank, marker
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.current_epoch != self.epoch or self.rank not in (None, trainer.global_rank):
+            return
+        if self.marker is not None:
+            if os.path.exists(self.marker):
+                return
+            Path(self.marker).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAtSteps(Callback):
+    """SIGKILLs its own process on rank ``rank`` before optimizer step ``steps[i] + 1`` of the i-th attempt.
+
+    Args:
+        steps: the global step at which to die, one per attempt; later attempts run to the end.
+        state_dir: where ``killed_<i>`` markers are written (created if missing).
+        rank: the global rank that dies.
+    """
+
+    def __init__(self, steps: list[int], state_dir: str, rank: int = 0) -> None:
+        self.steps, self.state_dir, self.rank = list(steps), state_dir, rank
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        i = _kills_so_far(self.state_dir)
+        if trainer.global_rank == self.rank and i < len(self.steps) and trainer.global_step == self.steps[i]:
+            _write(self.state_dir, f"killed_{i}", str(trainer.global_step))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PauseAtSteps(Callback):
+    """On rank ``rank``, before optimizer step ``steps[i] + 1`` of the i-th attempt, writes
+    ``<state_dir>/paused_<i>`` (its pid) and waits to be killed by the test (``os._exit(3)`` after
+    ``max_wait`` seconds, so a broken test cannot leave it behind).
+
+    Args:
+        steps: the global step at which to wait, one per attempt.
+        state_dir: where ``paused_<i>`` files are written; the test writes ``killed_<i>`` after killing.
+        rank: the global rank that waits.
+        max_wait: seconds before giving up.
+    """
+
+    def __init__(self, steps: list[int], state_dir: str, rank: int = 1, max_wait: float = 120.0) -> None:
+        self.steps, self.state_dir, self.rank, self.max_wait = list(steps), state_dir, rank, max_wait
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        i = _kills_so_far(self.state_dir)
+        if trainer.global_rank == self.rank and i < len(self.steps) and trainer.global_step == self.steps[i]:
+            _write(self.state_dir, f"paused_{i}", f"{os.getpid()} {trainer.global_step}")
+            _sleep(self.max_wait)
+            os._exit(3)
+
+
+class PauseForSignal(Callback):
+    """On the first run of a Slurm job only, stops every rank after training step ``step`` and waits there.
+
+    Each rank writes ``<out_dir>/paused_rank<R>`` and then sleeps in short slices until its handler has recorded
+    a preemption signal (:mod:`lit_ddp.signals`), so the test can send ``scancel --signal=USR1`` at a known step
+    and the ranks save (``PreemptionCheckpoint``, after this callback in the same hook) at that step. Gives up
+    (and trains on) after ``max_wait`` seconds.
+
+    Args:
+        step: the global step after which to wait.
+        out_dir: where the marker files go.
+        max_wait: seconds to wait for the signal at most.
+    """
+
+    def __init__(self, step: int, out_dir: str, max_wait: float = 120.0) -> None:
+        self.step, self.out_dir, self.max_wait = step, out_dir, max_wait
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self.step or _slurm_restart_count() != 0:
+            return
+        _write(self.out_dir, f"paused_rank{trainer.global_rank}", str(os.getpid()))
+        _sleep(self.max_wait, until_signal=True)
+
+
+class PoisonAtStep(Callback):
+    """Sets the first parameter to NaN once ``global_step`` reaches ``step`` (the loss becomes NaN).
+
+    Args:
+        step: the global step before whose training step to poison.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).fill_(float("nan"))

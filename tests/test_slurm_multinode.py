@@ -1,0 +1,242 @@
+"""Slurm on two nodes (``slurm/local_cluster.sh start --nodes 2``): srun, train.sbatch and train_elastic.sbatch.
+
+Where the tasks ran is read from Slurm (``scontrol show job``, and the jobcomp/filetxt log when the cluster
+writes one), not from the program's output. The tests skip when fewer than 2 Slurm nodes are up (idle, mixed,
+allocated or completing), and fail instead when ``CI=true``. Self-contained: the helpers are defined here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+SLURM_CONFIG = "configs/regression/slurm.yaml"  # the step config train.sbatch is given
+# srun by hand: what train.sbatch composes (DDPStrategy, SLURMEnvironment), then the step config
+SRUN_CONFIGS = ["--config", "configs/trainer/ddp.yaml", "--config", "configs/trainer/slurm.yaml"]
+SRUN_CONFIGS += ["--config", SLURM_CONFIG]
+# train_elastic.sbatch: a step config without SLURMEnvironment, the DDP fragment (strategy only) after it
+TORCHRUN_CONFIG = ["configs/regression/torchrun.yaml", "--config", "configs/trainer/ddp.yaml"]
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+UP_STATES = {"idle", "mixed", "allocated", "completing"}
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def nodes_up(timeout: float = 15) -> tuple[list[str], str]:
+    """The Slurm nodes that answer and take jobs, and what ``sinfo`` said."""
+    if shutil.which("sinfo") is None:
+        return [], "`sinfo` is not installed"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [], f"`sinfo` did not answer in {timeout} s"
+    if out.returncode != 0:
+        return [], f"`sinfo` failed: {(out.stderr or out.stdout).strip()[:300]}"
+    states = dict(line.split()[:2] for line in out.stdout.splitlines() if len(line.split()) >= 2)
+    return sorted(n for n, s in states.items() if s in UP_STATES), out.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> list[str]:
+    up, said = nodes_up()
+    if len(up) >= 2:
+        return up
+    msg = f"fewer than 2 Slurm nodes up ({said!r}); start them with `slurm/local_cluster.sh start --nodes 2`"
+    if in_ci():
+        pytest.fail(f"CI=true but {msg}", pytrace=False)
+    pytest.skip(msg)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_env(**extra: str) -> dict[str, str]:
+    """What a job inherits (sbatch/srun export it): this venv first on PATH, the repo importable, no outer job."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(VENV_BIN), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["LIT_DDP_PYTHON"] = sys.executable
+    env["LIT_DDP_TORCHRUN"] = str(VENV_BIN / "torchrun")
+    for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))]:
+        del env[key]
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    return dict(f.split("=", 1) for f in line.split() if "=" in f)
+
+
+def job_by_id(job_id: str) -> dict[str, str]:
+    """``scontrol show job -o`` as a dict; empty once Slurm forgot the job (MinJobAge, 300 s by default)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=15)
+    return parse_fields(out.stdout) if out.returncode == 0 else {}
+
+
+def job_by_name(name: str) -> dict[str, str]:
+    """The newest job named ``name`` that ``scontrol`` still knows (finished ones included)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True, timeout=15)
+    jobs = [parse_fields(line) for line in out.stdout.splitlines()]
+    jobs = [j for j in jobs if j.get("JobName") == name]
+    return max(jobs, key=lambda j: int(j["JobId"])) if jobs else {}
+
+
+def jobcomp_record(job_id: str) -> dict[str, str]:
+    """The job's line in the jobcomp/filetxt log, when the cluster writes one (local_cluster.sh does)."""
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=15)
+    conf = dict(re.findall(r"^(\w+)\s*=\s*(.*?)\s*$", out.stdout, re.M))
+    if conf.get("JobCompType") != "jobcomp/filetxt" or not conf.get("JobCompLoc"):
+        return {}
+    with contextlib.suppress(OSError):
+        for line in Path(conf["JobCompLoc"]).read_text().splitlines():
+            if f"JobId={job_id} " in line:
+                return parse_fields(line)
+    return {}
+
+
+def hostnames(nodelist: str) -> list[str]:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=15)
+    return out.stdout.split()
+
+
+def assert_two_nodes_one_task_each(info: dict[str, str], log: str = "") -> None:
+    """Slurm's own record: the job completed on 2 distinct nodes, 1 task per node, 2 tasks in all."""
+    assert info, "Slurm no longer knows the job"
+    assert info["JobState"] == "COMPLETED", f"{info.get('JobState')} {info.get('Reason')}\n{log[-5000:]}"
+    nodes = hostnames(info["NodeList"])
+    assert len(set(nodes)) == 2 and info["NumNodes"] == "2", info["NodeList"]
+    assert info["NtasksPerN:B:S:C"].startswith("1:"), info["NtasksPerN:B:S:C"]
+    recorded = jobcomp_record(info["JobId"])
+    if recorded:  # written by slurmctld when the job ended
+        assert (recorded["JobState"], recorded["NodeCnt"]) == ("COMPLETED", "2"), recorded
+        assert hostnames(recorded["NodeList"]) == nodes
+
+
+def sbatch(script: str, args: list[str], opts: list[str], **env: str) -> str:
+    cmd = ["sbatch", "--parsable", *opts, str(REPO / script), *args]
+    out = subprocess.run(cmd, cwd=REPO, env=slurm_env(**env), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, f"{cmd} failed: {out.stderr}"
+    return out.stdout.strip().split(";")[0]
+
+
+def wait_job_done(job_id: str, timeout: float, output: Path) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_by_id(job_id)
+        if info.get("JobState") in FINAL_STATES:
+            return info
+        time.sleep(0.5)
+    tail = output.read_text()[-4000:] if output.exists() else ""
+    raise AssertionError(f"job {job_id} not done after {timeout} s ({job_by_id(job_id).get('JobState')}):\n{tail}")
+
+
+def cancel(job: str | None = None, name: str | None = None) -> None:
+    """``scancel`` by id or name that never raises (for ``finally`` blocks)."""
+    args = [job] if job else ["--name", name] if name else []
+    if args:
+        subprocess.run(["scancel", *args], capture_output=True, timeout=15, check=False)
+
+
+def world_sizes(log: str) -> set[str]:
+    """Lightning's "Initializing distributed: GLOBAL_RANK: r, MEMBER: m/W" lines: the W values."""
+    return set(re.findall(r"Initializing distributed: GLOBAL_RANK: \d+, MEMBER: \d+/(\d+)", log))
+
+
+@pytest.mark.timeout(240)
+def test_srun_two_nodes_world_size_2(two_nodes, tmp_path: Path) -> None:
+    name = unique("mn-srun")
+    cmd = ["srun", "-J", name, "-N", "2", "--ntasks-per-node", "1", sys.executable, "-m", "lit_ddp", "fit"]
+    cmd += [*SRUN_CONFIGS, "--trainer.num_nodes", "2", "--trainer.devices", "1"]
+    cmd += ["--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=slurm_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # srun forwards it and ends the step
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=15)
+        raise AssertionError(f"{cmd} did not finish in 180 s") from None
+    finally:
+        cancel(name=name)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-5000:]
+    info = job_by_name(name)
+    assert_two_nodes_one_task_each(info, out)
+    assert info["NumTasks"] == "2"  # SLURM_NTASKS, which SLURMEnvironment takes as the world size
+    assert world_sizes(out) == {"2"}, out[-5000:]
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_train_on_two_nodes(two_nodes, tmp_path: Path) -> None:
+    out = tmp_path / "job.out"
+    args = [SLURM_CONFIG, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET]
+    job = None
+    try:
+        opts = ["-J", unique("mn-sbatch"), "-o", str(out), "--nodes", "2", "--ntasks-per-node", "1", "--time", "5"]
+        job = sbatch("slurm/train.sbatch", args, opts)
+        info = wait_job_done(job, timeout=240, output=out)
+    finally:
+        cancel(job)
+    log = out.read_text()
+    assert_two_nodes_one_task_each(info, log)
+    assert "nodes=2 ntasks-per-node=1" in log and "`Trainer.fit` stopped: `max_epochs=1` reached." in log
+    assert world_sizes(log) == {"2"}, log[-5000:]
+
+
+@pytest.mark.timeout(300)
+def test_elastic_sbatch_on_two_nodes(two_nodes, tmp_path: Path) -> None:
+    """One torchrun agent per node, joined by a c10d rendezvous hosted by the first node's agent."""
+    out = tmp_path / "job.out"
+    args = [*TORCHRUN_CONFIG, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET]
+    job = None
+    try:
+        opts = ["-J", unique("mn-elastic"), "-o", str(out), "--nodes", "2", "--time", "5"]
+        job = sbatch(
+            "slurm/train_elastic.sbatch", args, opts, NPROC_PER_NODE="1", MAX_RESTARTS="1", RDZV_PORT=str(free_port())
+        )
+        info = wait_job_done(job, timeout=240, output=out)
+    finally:
+        cancel(job)
+    log = out.read_text()
+    assert_two_nodes_one_task_each(info, log)
+    assert f"rdzv={hostnames(info['NodeList'])[0]}:" in log, log[:2000]
+    assert "`Trainer.fit` stopped: `max_epochs=1` reached." in log
+    assert world_sizes(log) == {"2"}, log[-5000:]
