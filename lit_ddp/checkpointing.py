@@ -172,17 +172,40 @@ def find_resume_checkpoint(root_dir: str, checkpoint_dir: str | None = None) -> 
             from scratch over them.
     """
     candidates = ranked_checkpoints(root_dir, checkpoint_dir)
-    for _, path in candidates:
+    for step, path in candidates:
+        # A file whose step cannot be read at all (step -1) ranks last, but is named all the same: it is most
+        # likely the newest one, cut short by a kill.
+        if step < 0:
+            log.warning("Checkpoint %s is truncated or unreadable; falling back to an older one.", path)
+    for step, path in candidates:
+        if step < 0:
+            break
         if is_valid_checkpoint(path):
             return path
         log.warning("Checkpoint %s is truncated or unreadable; falling back to an older one.", path)
     if candidates:
-        raise NoValidCheckpointError(
-            f"None of the {len(candidates)} checkpoint(s) in {root_dir} can be read "
-            f"({', '.join(p for _, p in candidates)}). Delete or move them to start from scratch, or pass "
-            "--ckpt_path to a valid checkpoint."
-        )
+        raise _no_valid_checkpoint(root_dir, candidates)
     return None
+
+
+def _no_valid_checkpoint(root_dir: str, candidates: list[tuple[int, str]]) -> NoValidCheckpointError:
+    return NoValidCheckpointError(
+        f"None of the {len(candidates)} checkpoint(s) in {root_dir} can be read "
+        f"({', '.join(p for _, p in candidates)}). Delete or move them to start from scratch, or pass "
+        "--ckpt_path to a valid checkpoint."
+    )
+
+
+def check_resumable(root_dir: str, checkpoint_dir: str | None = None) -> None:
+    """Fail before anything is written when the run directory holds checkpoints and not one of them has a
+    readable header (a cheap early form of :func:`find_resume_checkpoint`'s refusal: no file is read in full).
+
+    Raises:
+        NoValidCheckpointError: every checkpoint there is unreadable.
+    """
+    candidates = ranked_checkpoints(root_dir, checkpoint_dir)
+    if candidates and all(step < 0 for step, _ in candidates):
+        raise _no_valid_checkpoint(root_dir, candidates)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

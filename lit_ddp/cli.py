@@ -29,6 +29,7 @@ from lit_ddp.checkpointing import (
     RESUME_AUTO,
     AgreedResumeConnector,
     AtomicCheckpointIO,
+    check_resumable,
 )
 from lit_ddp.elastic import init_process_group_on_shared_store
 from lit_ddp.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
@@ -131,6 +132,7 @@ class LitDDPCLI(LightningCLI):
         if config.get("ckpt_path") is None:
             # Resolved once every rank has joined: rank zero picks, every rank checks it can read the file.
             root = self.trainer.default_root_dir
+            check_resumable(root, checkpoint_dir(root))  # before the logger writes anything
             self.trainer._checkpoint_connector = AgreedResumeConnector(self.trainer, checkpoint_dir(root))
             config["ckpt_path"] = RESUME_AUTO
 

@@ -19,8 +19,10 @@ import contextlib
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, NoReturn
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -63,6 +65,7 @@ def report(fn: Callable[[], Any]) -> Any:
     Raises:
         SystemExit: with the status for the failure.
     """
+    _state["running"] = False  # each call (a test may make several in one process) starts before launch
     if os.environ.get("LIT_DDP_DEBUG"):
         return fn()
     try:
@@ -132,13 +135,48 @@ def _exit_from_rank(e: BaseException) -> NoReturn:
             flush=True,
         )
         os._exit(FAILURE_EXIT_CODE)  # nothing left to clean up that would not wait on the dead peer
-    release_process_group()
     if isinstance(e, USAGE_ERRORS + FAILURES):
-        print(f"lit-ddp: error: {where}: {_message(e)}", file=sys.stderr, flush=True)
+        message = _message(e)
+        if not _same_as_rank_zero(message):
+            print(f"lit-ddp: error: {where}: {message}", file=sys.stderr, flush=True)
+        release_process_group()
         raise SystemExit(USAGE_EXIT_CODE if isinstance(e, USAGE_ERRORS) else FAILURE_EXIT_CODE)
+    release_process_group()
     traceback.print_exception(e, file=sys.stderr)
     print(f"lit-ddp: error: {where} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     raise SystemExit(FAILURE_EXIT_CODE)
+
+
+def _same_as_rank_zero(message: str, timeout: float = 3.0) -> bool:
+    """Whether rank zero failed with this very message, so this rank need not print it again.
+
+    An error that every rank meets alike (a data file too short for ``block_size``, a non-finite loss) would
+    otherwise print once per rank. Rank zero posts its message on the process group's store and waits up to
+    ``timeout`` seconds (the store may live in its process) for the other ranks to read it; any other rank
+    waits up to ``timeout`` seconds for it and stays quiet only when it is identical. A rank that fails alone,
+    or a store that cannot be reached, prints as before. Our own: Lightning and torch have no such exchange.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    key = "lit_ddp/error/rank0"
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        if dist.get_rank() == 0:
+            store.set(key, message)
+            deadline = time.monotonic() + timeout
+            while store.add(key + "/read", 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return False
+        store.wait([key], timedelta(seconds=timeout))
+        same = store.get(key).decode() == message
+        store.add(key + "/read", 1)
+        return same
+    except Exception:  # noqa: BLE001 - no answer in time: print
+        return False
 
 
 def release_process_group() -> None:
