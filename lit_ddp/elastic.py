@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import log as lightning_log
 from lightning.pytorch.utilities import rank_zero_info
 
 
@@ -40,9 +41,11 @@ def init_process_group_on_shared_store(backend: str, timeout: timedelta, env: Ma
     world_size, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
     if world_size < 2:
         return False
+    # Lightning's per-rank line, which it skips for a group that exists (users and tests look for it).
+    lightning_log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(f"lit_ddp/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
-    # Lightning's own line, which it skips for a group that exists (users and tests look for it).
+    # Lightning's closing line, likewise skipped.
     rank_zero_info(f"All distributed processes registered. Starting with {world_size} processes")
     return True

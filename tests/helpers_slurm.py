@@ -39,12 +39,26 @@ def cluster_answers(timeout: float = 15) -> tuple[bool, str]:
     return True, out.stdout.strip()
 
 
-def require_cluster() -> None:
-    """Skips the test when no Slurm cluster answers; in CI (``CI=true``) fails instead."""
+def nodes_up(timeout: float = 15) -> list[str]:
+    """The Slurm nodes that take jobs (idle, mixed, allocated or completing)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=timeout)
+    states = dict(line.split()[:2] for line in out.stdout.splitlines() if len(line.split()) >= 2)
+    return sorted(n for n, s in states.items() if s.rstrip("*") in ("idle", "mixed", "allocated", "completing"))
+
+
+def hostnames(nodelist: str, timeout: float = 15) -> list[str]:
+    """``scontrol show hostnames``: a Slurm node list (``n[1-2]``) expanded."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=timeout)
+    return out.stdout.split()
+
+
+def require_cluster(nodes: int = 1) -> None:
+    """Skips the test when no Slurm cluster with ``nodes`` nodes up answers; in CI (``CI=true``) fails instead."""
     up, why = cluster_answers()
-    if up:
+    if up and len(nodes_up()) >= nodes:
         return
-    msg = f"no Slurm cluster answers ({why}); start one with `slurm/local_cluster.sh start`"
+    why = why if not up else f"fewer than {nodes} nodes up: {why!r}"
+    msg = f"no Slurm cluster answers ({why}); start one with `slurm/local_cluster.sh start --nodes {nodes}`"
     if in_ci():
         pytest.fail(f"CI=true but {msg}", pytrace=False)
     pytest.skip(msg)

@@ -99,7 +99,7 @@ def text(tmp_path: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("task", "steps", "repeats"), [("regression", 400, 3), ("mingpt", 150, 2)])
+@pytest.mark.parametrize(("task", "steps", "repeats"), [("regression", 800, 3), ("mingpt", 400, 2)])
 def test_torchrun_random_kills_end_exact_and_exit_zero(
     task: str, steps: int, repeats: int, tmp_path: Path, runner: helpers.Runner, recorder, text: Path
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -20,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -158,6 +160,17 @@ def wait_job_done(job_id: str, timeout: float, output: Path) -> dict[str, str]:
     raise AssertionError(f"job {job_id} not done after {timeout} s ({job_by_id(job_id).get('JobState')}):\n{tail}")
 
 
+def wait_job_final(name: str, timeout: float = 60) -> dict[str, str]:
+    """The job named ``name`` once Slurm has finished ending it: srun returns while the job may still be
+    COMPLETING (its epilog and the nodes' release are not done)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = job_by_name(name)
+        if info.get("JobState") in FINAL_STATES or time.monotonic() > deadline:
+            return info
+        time.sleep(0.5)
+
+
 def cancel(job: str | None = None, name: str | None = None) -> None:
     """``scancel`` by id or name that never raises (for ``finally`` blocks)."""
     args = [job] if job else ["--name", name] if name else []
@@ -197,7 +210,7 @@ def test_srun_two_nodes_world_size_2(two_nodes, tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-5000:]
-    info = job_by_name(name)
+    info = wait_job_final(name)
     assert_two_nodes_one_task_each(info, out)
     assert info["NumTasks"] == "2"  # SLURM_NTASKS, which SLURMEnvironment takes as the world size
     assert world_sizes(out) == {"2"}, out[-5000:]
@@ -221,22 +234,69 @@ def test_sbatch_train_on_two_nodes(two_nodes, tmp_path: Path) -> None:
     assert world_sizes(log) == {"2"}, log[-5000:]
 
 
-@pytest.mark.timeout(300)
-def test_elastic_sbatch_on_two_nodes(two_nodes, tmp_path: Path) -> None:
-    """One torchrun agent per node, joined by a c10d rendezvous hosted by the first node's agent."""
-    out = tmp_path / "job.out"
-    args = [*TORCHRUN_CONFIG, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET]
-    job = None
+def workers_on(job_id: str, node: str) -> list[int]:
+    """The pids of job ``job_id``'s training processes that torchrun started on Slurm node ``node`` (all
+    nodes of the local cluster share one host: told apart by the environment Slurm gave each task)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(kv.split(b"=", 1) for kv in (entry / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"lit_ddp" not in cmdline or b"LOCAL_RANK" not in environ:  # torchrun sets LOCAL_RANK for workers only
+            continue
+        if environ.get(b"SLURM_JOB_ID") == job_id.encode() and environ.get(b"SLURMD_NODENAME") == node.encode():
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(420)
+def test_elastic_sbatch_on_two_nodes_survives_a_worker_kill(two_nodes, tmp_path: Path) -> None:
+    """One torchrun agent per node, joined by a c10d rendezvous hosted by the first node's agent. SIGKILL of
+    the second node's worker at a random moment of training: torchrun restarts the group on both nodes, the
+    job completes, bit-identical to an uninterrupted 2-node job run beside it."""
+    from tests.helpers import load_records, recorder_config
+
+    rng = random.Random(int(os.environ.get("LIT_DDP_TEST_SEED", time.time_ns())))
+    args = [*TORCHRUN_CONFIG, "--config", "configs/checkpoint/fault_tolerant.yaml", "--data.num_samples", "288"]
+    args += ["--trainer.max_epochs", "-1", "--trainer.max_steps", "600", "--checkpoint.every_n_train_steps", "10"]
+    jobs: dict[str, tuple[str, Path, Path]] = {}
     try:
-        opts = ["-J", unique("mn-elastic"), "-o", str(out), "--nodes", "2", "--time", "5"]
-        job = sbatch(
-            "slurm/train_elastic.sbatch", args, opts, NPROC_PER_NODE="1", MAX_RESTARTS="1", RDZV_PORT=str(free_port())
-        )
-        info = wait_job_done(job, timeout=240, output=out)
+        for name in ("ref", "killed"):
+            cb, rec = recorder_config(tmp_path, name)
+            out = tmp_path / f"{name}.out"
+            run = ["--config", str(cb), "--trainer.default_root_dir", str(tmp_path / name / "run"), *QUIET]
+            opts = ["-J", unique(f"mn-elastic-{name}"), "-o", str(out), "--nodes", "2", "--time", "6"]
+            env = {"NPROC_PER_NODE": "1", "MAX_RESTARTS": "1", "RDZV_PORT": str(free_port())}
+            jobs[name] = (sbatch("slurm/train_elastic.sbatch", [*args, *run], opts, **env), out, rec)
+        job, out, _ = jobs["killed"]
+        deadline = time.monotonic() + 200
+        while "Starting with 2 processes" not in (out.read_text() if out.exists() else ""):
+            assert job_by_id(job).get("JobState") in ("PENDING", "RUNNING"), out.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the killed job's group never formed"
+            time.sleep(0.2)
+        second = hostnames(job_by_id(job)["NodeList"])[1]
+        time.sleep(rng.uniform(0.5, 4.0))  # a random moment of training, not one the code chose
+        pids = workers_on(job, second)
+        assert len(pids) == 1, f"expected one worker of job {job} on {second}, found {pids}"
+        os.kill(pids[0], signal.SIGKILL)
+        final = {name: wait_job_done(j, timeout=300, output=o) for name, (j, o, _) in jobs.items()}
     finally:
-        cancel(job)
-    log = out.read_text()
-    assert_two_nodes_one_task_each(info, log)
-    assert f"rdzv={hostnames(info['NodeList'])[0]}:" in log, log[:2000]
-    assert "`Trainer.fit` stopped: `max_epochs=1` reached." in log
-    assert world_sizes(log) == {"2"}, log[-5000:]
+        for j, _, _ in jobs.values():
+            cancel(j)
+    for name, (_, o, _) in jobs.items():
+        log = o.read_text()
+        assert_two_nodes_one_task_each(final[name], log)
+        assert f"rdzv={hostnames(final[name]['NodeList'])[0]}:" in log, log[:2000]
+        assert "`Trainer.fit` stopped: `max_steps=600` reached." in log, log[-5000:]
+        assert world_sizes(log) == {"2"}, log[-5000:]
+    log = jobs["killed"][1].read_text()
+    assert log.count("Starting with 2 processes") == 2, log[-5000:]  # the first group and the restarted one
+    resumed, reference = load_records(jobs["killed"][2]), load_records(jobs["ref"][2])
+    assert [r["global_step"] for r in resumed] == [r["global_step"] for r in reference] == [600, 600]
+    for a, b in zip(resumed, reference, strict=True):
+        differing = [k for k, v in b["params"].items() if not torch.equal(v, a["params"][k])]
+        assert not differing, f"parameters differ from the uninterrupted job: {differing}"
