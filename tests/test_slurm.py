@@ -22,9 +22,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lit_ddp.cli import cli_main
 from lit_ddp.preflight import UsageError, check_launch, devices_per_node
 from lit_ddp.reporting import USAGE_EXIT_CODE, report
-from tests.callbacks import KillAtEpochStart, PauseForSignal, RecordStart
+from tests.callbacks import KillAtEpochStart, RecordStart
 from tests.helpers import QUIET, REPO, callback, compose, lit_ddp, recorder_config
-from tests.helpers_slurm import cancel, job_info, require_cluster, run_srun, sbatch, wait_for, wait_job_done
+from tests.helpers_slurm import cancel, require_cluster, run_srun, sbatch, wait_job_done
 
 # What slurm/train.sbatch is given (it composes configs/trainer/ddp.yaml and configs/trainer/slurm.yaml
 # before it), and the same composition for srun by hand.
@@ -32,7 +32,6 @@ CONFIG = "configs/regression/slurm.yaml"
 SRUN_CONFIGS = compose("trainer/ddp", "trainer/slurm", "regression/slurm")
 EPOCHS = 3
 STEPS_PER_EPOCH = 28  # 1792 train samples / (32 per device * 2 devices)
-PAUSE_STEP = 40  # mid-epoch 1: the preemption lands inside an epoch
 SLURM_PLUGIN = [{"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment"}]
 
 # ---------------------------------------------------------------------------------------------------------
@@ -269,51 +268,6 @@ def test_sbatch_completes_with_training_log(uninterrupted) -> None:
     record = torch.load(record_dir / "rank0.pt", weights_only=False)
     assert (record["world_size"], record["cluster_environment"]) == (2, "SLURMEnvironment")
     assert record["global_step"] == EPOCHS * STEPS_PER_EPOCH
-
-
-@pytest.mark.slurm
-@pytest.mark.multiprocess
-def test_preemption_requeues_and_resumes(uninterrupted, tmp_path: Path) -> None:
-    """scancel --signal=USR1 mid-epoch: hpc checkpoint, requeue, resume at the saved step, same result."""
-    _, _, reference_dir = uninterrupted
-    root, out = tmp_path / "run", tmp_path / "job.out"
-    pause = callback(PauseForSignal, step=PAUSE_STEP, out_dir=str(tmp_path / "pause"))
-    cb, record_dir = callbacks_yaml(tmp_path, pause)
-    args = [CONFIG, "--config", str(cb), "--trainer.default_root_dir", str(root)]
-    args += ["--trainer.max_epochs", str(EPOCHS), *QUIET]
-    job = None
-    try:
-        job = sbatch("slurm/train.sbatch", args, ["-J", unique("pre"), "-o", str(out), "-N1", "--ntasks-per-node=2"])
-        wait_for(
-            lambda: len(list((tmp_path / "pause").glob("paused_rank*"))) == 2,
-            timeout=180,
-            what=f"both ranks to reach step {PAUSE_STEP}",
-        )
-        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=15)
-        wait_for(lambda: job_info(job).get("Restarts") == "1", timeout=60, what="the requeue")
-        info = wait_job_done(job, timeout=240, output=out)
-    finally:
-        cancel(job)
-    log = out.read_text()
-    assert info["JobState"] == "COMPLETED", log[-5000:]
-    assert f"SIGUSR1 received: saving {root}/hpc_ckpt_1.ckpt at global_step {PAUSE_STEP}" in log
-    assert f"Requeued Slurm job {job}" in log
-    assert (root / "hpc_ckpt_1.ckpt").exists()
-    # --open-mode=append: the output holds both runs
-    assert re.search(rf"\[train.sbatch\] job {job} restart 0 ", log) and re.search(rf"job {job} restart 1 ", log)
-    assert f"Resuming from {root}/hpc_ckpt_1.ckpt" in log
-    runs = starts(record_dir)
-    for rank in (0, 1):
-        first, second = runs[f"start_r0_t0_rank{rank}"], runs[f"start_r1_t0_rank{rank}"]
-        assert (first["global_step"], first["restart_count"]) == (0, None)
-        assert (second["global_step"], second["restart_count"]) == (PAUSE_STEP, "1")
-        assert second["cluster_environment"] == "SLURMEnvironment" and second["world_size"] == 2
-    resumed = torch.load(record_dir / "rank0.pt", weights_only=False)
-    reference = torch.load(reference_dir / "rank0.pt", weights_only=False)
-    assert resumed["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
-    # Exactly as if never interrupted: needs the model, optimizer, dataloader and RNG state in the checkpoint.
-    differing = [k for k, v in reference["params"].items() if not torch.equal(v, resumed["params"][k])]
-    assert not differing, f"parameters differ from the uninterrupted job after the resume: {differing}"
 
 
 @pytest.mark.slurm

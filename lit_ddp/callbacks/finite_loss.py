@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+_NO_STEP = 2**62  # "no bad step seen" in the step slot of the flags
 
 
 class NonFiniteLossError(RuntimeError):
@@ -14,28 +16,61 @@ class NonFiniteLossError(RuntimeError):
 
 
 class FiniteLossGuard(Callback):
-    """Stops training when the loss becomes NaN or infinite, naming the step, before it is checkpointed.
+    """Stops training when the loss becomes NaN or infinite, naming the first such step, before it is checkpointed.
 
-    Every step, the ranks agree (one all-reduce of a flag) on whether any rank's loss is non-finite, so all
-    ranks stop together instead of one hanging in the next collective. At each checkpoint save the
-    parameters are checked too, so a non-finite update never overwrites the last good checkpoint (Lightning
-    runs checkpoint callbacks after this one).
+    No step pays for the check: each rank notes a non-finite loss in a tensor on its device (no host sync,
+    no collective), and every ``check_every_n_steps`` optimizer steps the ranks agree in one all-reduce
+    whether any rank saw one, and at which step first; then all ranks raise together, so none hangs in
+    the next collective. A checkpoint save checks the parameters too (they are the same on every rank
+    under DDP, so no collective is needed there): a non-finite update never overwrites the last good
+    checkpoint, whatever the interval (Lightning runs checkpoint callbacks after this one).
+
+    Args:
+        check_every_n_steps: optimizer steps between the ranks' agreements; None: ``trainer.log_every_n_steps``.
 
     Raises:
-        NonFiniteLossError: from ``on_train_batch_end`` or ``on_save_checkpoint``.
+        NonFiniteLossError: from ``on_train_batch_end``, ``on_train_end`` or ``on_save_checkpoint``.
+        ValueError: ``check_every_n_steps`` < 1.
     """
+
+    def __init__(self, check_every_n_steps: int | None = None) -> None:
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps={check_every_n_steps} must be >= 1 (or None)")
+        self.check_every_n_steps = check_every_n_steps
+        self._flags: torch.Tensor | None = None  # [kind (0 finite, 1 inf, 2 nan), -first bad global_step]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flags = torch.tensor([0, -_NO_STEP], dtype=torch.int64, device=trainer.strategy.root_device)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
-        if trainer.strategy.reduce_boolean_decision(bad, all=False):
-            value = float(loss.detach().float().mean()) if loss is not None else math.nan
+        if loss is not None and self._flags is not None:
+            loss = loss.detach()
+            kind = torch.where(loss.isnan().any(), 2, torch.where(loss.isinf().any(), 1, 0))
+            new = (kind > 0) & (self._flags[0] == 0)  # the first bad step is the one kept
+            step = torch.tensor(-trainer.global_step, device=self._flags.device)  # counted after this step
+            self._flags = torch.where(new, torch.stack([kind, step]), self._flags)
+        every = self.check_every_n_steps or trainer.log_every_n_steps or 1
+        if trainer.global_step % every == 0:
+            self._agree(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._agree(trainer)  # the steps since the last agreement (every rank ends training at the same step)
+
+    def _agree(self, trainer: Trainer) -> None:
+        if self._flags is None:
+            return
+        flags = self._flags.clone()
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # worst kind; -min(step) is max(-step)
+        kind, step = int(flags[0]), -int(flags[1])
+        if kind:
             raise NonFiniteLossError(
-                f"train loss became {value} at global_step {trainer.global_step} (epoch {trainer.current_epoch}, "
-                f"batch {batch_idx}); training stopped and the last good checkpoint is kept. Lower the learning "
-                "rate or set trainer.gradient_clip_val"
+                f"train loss became {'nan' if kind == 2 else 'inf'} at global_step {step}; training stopped "
+                f"at global_step {trainer.global_step} (epoch {trainer.current_epoch}) and the last good checkpoint "
+                "is kept. Lower the learning rate or set trainer.gradient_clip_val"
             )
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:

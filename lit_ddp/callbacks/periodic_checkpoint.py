@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 
@@ -13,7 +17,10 @@ class PeriodicCheckpoint(ModelCheckpoint):
 
     ``ModelCheckpoint.on_train_batch_end`` already saves when either trigger fires; only its constructor
     rejects the combination. With both set, a checkpoint is written at every N-th optimizer step and whenever
-    T has passed since the last save (the time decision is rank zero's, broadcast to all ranks). Everything
+    T has passed since the last save. The time decision is rank zero's; ``ModelCheckpoint`` broadcasts it
+    every step (a blocking object broadcast), here it travels in a non-blocking tensor broadcast started
+    after each step and read after the next, so a step never waits for it (a due save happens one step
+    later, on every rank alike). Everything
     else (``save_last``, ``save_top_k``, ``monitor``, file names) is ``ModelCheckpoint``'s. To keep the
     newest K step checkpoints: ``monitor="step", mode="max", save_top_k=K``.
 
@@ -39,3 +46,41 @@ class PeriodicCheckpoint(ModelCheckpoint):
             **kwargs,
         )
         self._train_time_interval = train_time_interval
+        self._time_in_flight: tuple[Any, torch.Tensor] | None = None  # (work, "due" flag) of the last step
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        interval = self._train_time_interval
+        if interval is None or not pl_module.automatic_optimization:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        due = self._time_due_last_step()
+        self._start_time_broadcast(trainer, interval)
+        # ModelCheckpoint's own logic, with its time trigger fired (zero interval) only on the agreed steps.
+        self._train_time_interval = timedelta(0) if due else None
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            self._train_time_interval = interval
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._time_due_last_step()  # every rank ends at the same step: nothing left in flight
+        super().on_train_end(trainer, pl_module)
+
+    def _start_time_broadcast(self, trainer: Trainer, interval: timedelta) -> None:
+        last = self._last_time_checked
+        due = last is not None and time.monotonic() - last >= interval.total_seconds()  # rank zero's counts
+        flag = torch.tensor([int(due)], dtype=torch.int32, device=trainer.strategy.root_device)
+        work = None
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            work = dist.broadcast(flag, src=0, async_op=True)
+        self._time_in_flight = (work, flag)
+
+    def _time_due_last_step(self) -> bool:
+        if self._time_in_flight is None:
+            return False
+        work, flag = self._time_in_flight
+        self._time_in_flight = None
+        if work is not None:
+            work.wait()
+        return bool(flag.item())

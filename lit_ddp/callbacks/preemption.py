@@ -39,8 +39,10 @@ class PreemptionCheckpoint(Callback):
     handler broadcasts there, on each rank at whatever point that rank is (see :mod:`lit_ddp.signals`); this
     callback replaces only that part. Its handlers record the signal (``lit_ddp.signals``; SIGUSR1 from the
     start of ``lit-ddp fit``, SIGTERM from ``on_train_start``, when Lightning has installed its own). After
-    every optimizer step the ranks agree with one all-reduce (MAX) of "a signal was recorded here", which
-    every rank reaches; when any rank has one, all of them:
+    every optimizer step each rank starts a non-blocking all-reduce (MAX) of "a signal was recorded here",
+    which every rank reaches, and reads the one it started a step earlier: the agreement overlaps the next
+    step instead of stalling this one, and costs no step a wait. When any rank had a signal, all of them,
+    one step after it was recorded:
 
     1. save one checkpoint through the normal path (``trainer.save_checkpoint``: atomic, with every rank's
        RNG and loader states) as ``<default_root_dir>/hpc_ckpt_N.ckpt``, Lightning's name for it, and wait
@@ -50,8 +52,9 @@ class PreemptionCheckpoint(Callback):
     3. raise :class:`Preempted`, which the CLI turns into exit status ``128 + signum`` without a traceback
        (SIGTERM: 143, which torchrun and Slurm read as a failure, so nothing counts the run as finished).
 
-    A signal that lands during validation or a save is acted on at the next boundary. Every rank takes part
-    in the all-reduce each step (one small tensor; gloo on CPU, the default device's backend otherwise).
+    A signal that lands during validation or a save is acted on one boundary later. Every rank takes part
+    in the all-reduce each step (one small tensor; gloo on CPU, the default device's backend otherwise); the
+    one in flight when training ends is waited for in ``on_train_end``.
 
     Args:
         handle_sigterm: treat SIGTERM like a preemption notice (sites that send it before the kill).
@@ -59,6 +62,7 @@ class PreemptionCheckpoint(Callback):
 
     def __init__(self, handle_sigterm: bool = True) -> None:
         self.handle_sigterm = handle_sigterm
+        self._in_flight: tuple[Any, torch.Tensor] | None = None  # (work, flag) of the last step's all-reduce
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After Lightning's register_signal_handlers(): replace its SIGUSR1 / SIGTERM handlers with ours.
@@ -69,10 +73,11 @@ class PreemptionCheckpoint(Callback):
     ) -> None:
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return  # not an optimizer-step boundary
-        local = signals.requested()
-        signum = _agree(trainer, local)
+        signum = self._agreed_last_step(trainer)
+        self._start_agreement(trainer, signals.requested())
         if signum is None:
             return
+        self._agreed_last_step(trainer)  # no collective left in flight (its answer is this one's or newer)
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         rank_zero_info(f"{signal.Signals(signum).name} received: saving {path} at global_step {trainer.global_step}")
         trainer.save_checkpoint(path)
@@ -88,14 +93,27 @@ class PreemptionCheckpoint(Callback):
         signals.clear()
         raise Preempted(signum, path, requeued)
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._agreed_last_step(trainer)  # every rank ends at the same step: nothing left in flight
 
-def _agree(trainer: Trainer, local: int | None) -> int | None:
-    """The signal any rank recorded (the highest number when ranks recorded different ones), or None."""
-    if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
-        return local
-    flag = torch.tensor([local or 0], dtype=torch.int32, device=trainer.strategy.root_device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item()) or None
+    def _start_agreement(self, trainer: Trainer, local: int | None) -> None:
+        """Starts the all-reduce (MAX) of this rank's recorded signal (0: none) without waiting for it."""
+        flag = torch.tensor([local or 0], dtype=torch.int32, device=trainer.strategy.root_device)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            self._in_flight = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        else:
+            self._in_flight = (None, flag)
+
+    def _agreed_last_step(self, trainer: Trainer) -> int | None:
+        """The signal any rank had recorded when the all-reduce in flight was started (the highest number
+        when ranks recorded different ones), or None; waits for that all-reduce."""
+        if self._in_flight is None:
+            return None
+        work, flag = self._in_flight
+        self._in_flight = None
+        if work is not None:
+            work.wait()
+        return int(flag.item()) or None
 
 
 def wait_for_checkpoint_writes(trainer: Trainer) -> None:
