@@ -71,6 +71,9 @@ MINGPT = [
     "--model.init_args.warmup_steps", "5",
     "--data.init_args.block_size", "16", "--data.init_args.batch_size", "8", "--data.init_args.truncate", "0.02",
     "--trainer.max_steps", "30", "--trainer.val_check_interval", "10", "--trainer.deterministic", "true",
+    # cpu.yaml's recipe when the losses were recorded (issue 14 moved it to rope + Muon at 2e-2)
+    "--model.init_args.optimizer", "adamw", "--model.init_args.rope", "false",
+    "--model.init_args.learning_rate", "3e-3",
 ]  # fmt: skip
 
 

@@ -26,8 +26,9 @@ GPT_SCALARS = {
     "train/loss",
     "val/loss",
     "val/ppl",
-    "lr-AdamW/pg1",  # decayed parameters (Linear weights)
-    "lr-AdamW/pg2",  # not decayed (biases, LayerNorm, embeddings)
+    "lr-OptimizerChain/muon",  # cpu.yaml's optimizer: Muon for the blocks' matrices ...
+    "lr-OptimizerChain/adamw_decay",  # ... AdamW for the rest: decayed (none in gpt-nano with a tied head)
+    "lr-OptimizerChain/adamw_no_decay",  # not decayed (biases, LayerNorm, embeddings)
     "epoch",
     # ThroughputMonitor, per process; with DDP also train/{batches,samples,items,flops}_per_sec and train/mfu
     "train/time",
@@ -85,8 +86,8 @@ def test_mingpt_logs_ppl_lr_throughput_text_and_hparams(gpt_run: Path) -> None:
     assert [s for s, _ in val_loss] == [9, 19, 29]  # Lightning logs at global_step - 1 inside the step
     for (_, loss), (_, ppl) in zip(val_loss, read_scalars(gpt_run, "val/ppl"), strict=True):
         assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
-    lrs = [lr for _, lr in read_scalars(gpt_run, "lr-AdamW/pg1")]
-    assert max(lrs) <= 3e-3 and lrs[0] < lrs[-1]  # warmup (cpu.yaml: 100 steps) towards 3e-3
+    lrs = [lr for _, lr in read_scalars(gpt_run, "lr-OptimizerChain/muon")]
+    assert max(lrs) <= 2e-2 and lrs[0] < lrs[-1]  # warmup (cpu.yaml: 100 steps) towards 2e-2
     assert all(v > 0 for _, v in read_scalars(gpt_run, "train/device/items_per_sec"))  # tokens/s
     samples = read_text(gpt_run, "samples")
     assert [s for s, _ in samples] == [10, 20, 30]  # global_step after the step

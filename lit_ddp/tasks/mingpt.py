@@ -16,6 +16,7 @@ Differences from the tutorial, and why:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from torchmetrics import MeanMetric
 from lit_ddp.callbacks.text_samples import DEFAULT_PROMPT, TextSampleCallback
 from lit_ddp.callbacks.throughput import TokenThroughputMonitor
 from lit_ddp.data.char import decode, encode
-from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, adamw_param_groups
+from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, adamw_param_groups, muon_param_groups
+from lit_ddp.optim import OptimizerChain
 
 
 class GPTModule(LightningModule):
@@ -36,7 +38,7 @@ class GPTModule(LightningModule):
     checkpoint), else from the datamodule after its ``setup``. The vocabulary is then stored in
     ``hparams["vocab"]`` and so in every checkpoint.
 
-    Logged: ``train/loss`` (per step, mean over ranks), ``val/loss`` (nats per character, token-weighted
+    Logged: ``train/loss`` (mean over ranks, every ``trainer.log_every_n_steps`` steps), ``val/loss`` (nats per character, token-weighted
     mean over all ranks) and ``val/ppl`` (``exp(val/loss)``); throughput (``train/device/items_per_sec`` is
     tokens/s per process, ``train/items_per_sec`` over all processes; FLOPs/s and MFU when a peak is
     known); a text sample at each validation end.
@@ -66,6 +68,16 @@ class GPTModule(LightningModule):
         activation: MLP nonlinearity, ``"gelu"`` (GPT-2) or ``"relu2"`` (Primer).
         tie_weights: the head shares the token embedding's weight (GPT-2); False unties it.
         zero_init_proj: residual output projections (and an untied head) start at zero.
+        optimizer: ``"adamw"`` (minGPT's: AdamW over every parameter) or ``"muon"``: ``torch.optim.Muon`` for
+            the blocks' 2-D weights, AdamW (``learning_rate``, ``betas``, ``weight_decay``) for the embeddings,
+            head, norms and biases (Keller Jordan, "Muon: An optimizer for hidden layers in neural networks",
+            2024; modded-nanogpt's speedrun records 3-4); both follow the same warmup + cosine schedule.
+        muon_learning_rate: Muon's peak learning rate.
+        muon_momentum: Muon's (Nesterov) momentum.
+        muon_weight_decay: Muon's decoupled weight decay.
+        compile: run the training and validation forward through ``torch.compile`` (Inductor: C++ on CPU,
+            Triton on CUDA); the compile time (tens of seconds) is paid by the first steps. Sampling and
+            checkpoints use the plain module (same parameters, same state_dict keys).
 
     Raises:
         ValueError: an unknown preset or an invalid size, rate or schedule.
@@ -96,6 +108,11 @@ class GPTModule(LightningModule):
         activation: str = "gelu",
         tie_weights: bool = True,
         zero_init_proj: bool = False,
+        optimizer: str = "adamw",
+        muon_learning_rate: float = 0.02,
+        muon_momentum: float = 0.95,
+        muon_weight_decay: float = 0.0,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if model_type not in PRESETS:
@@ -110,12 +127,17 @@ class GPTModule(LightningModule):
             raise ValueError(f"decay_steps={decay_steps} must be > warmup_steps={warmup_steps}")
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
+        if optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer={optimizer!r} must be 'adamw' or 'muon'")
+        if muon_learning_rate <= 0:
+            raise ValueError(f"muon_learning_rate={muon_learning_rate} must be > 0")
         if sample_tokens < 0:
             raise ValueError(f"sample_tokens={sample_tokens} must be >= 0")
         self.save_hyperparameters()
         self.hparams.betas = tuple(float(b) for b in betas)  # primitive, whatever the parser made of it
         self.gpt_config = self._make_config(vocab_size=len(vocab) if vocab else 1)  # validates the sizes
         self.model: GPT | None = None
+        self._forward = None  # the compiled forward when compile=True (a function: not a registered submodule)
         self.flops_per_batch: int | None = None
         self.val_loss = MeanMetric()
         if vocab is not None:
@@ -156,6 +178,8 @@ class GPTModule(LightningModule):
             raise RuntimeError("configure_model() before the vocabulary is known (setup() sets it)")
         self.gpt_config = self._make_config(vocab_size=len(self.vocab))
         self.model = GPT(self.gpt_config)
+        if self.hparams.get("compile", False):
+            self._forward = torch.compile(self.model.forward)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("hyper_parameters", {}).get("vocab")
@@ -171,13 +195,15 @@ class GPTModule(LightningModule):
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``idx (B, T) -> (logits (B, T, V), loss | None)``; see :meth:`GPT.forward`."""
-        return self.model(idx, targets)
+        return self._forward(idx, targets) if self._forward is not None else self.model(idx, targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         self.flops_per_batch = self.model.flops_per_token(x.size(1)) * x.numel()  # forward + backward
         _, loss = self(x, y)
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
+        # The mean over ranks is one all-reduce: only on the steps the logger writes (trainer.log_every_n_steps).
+        if self.trainer._logger_connector.should_update_logs:
+            self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -196,9 +222,25 @@ class GPTModule(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            adamw_param_groups(self.model, hp.weight_decay), lr=hp.learning_rate, betas=tuple(hp.betas)
-        )
+        groups = adamw_param_groups(self.model, hp.weight_decay)
+        if hp.get("optimizer", "adamw") == "muon":
+            hidden, others = muon_param_groups(self.model)
+            keep = {id(p) for p in others}
+            # Named groups: LearningRateMonitor logs lr-OptimizerChain/muon, .../adamw_decay, .../adamw_no_decay.
+            groups = [
+                {**g, "params": [p for p in g["params"] if id(p) in keep], "name": f"adamw_{kind}"}
+                for g, kind in zip(groups, ("decay", "no_decay"), strict=True)
+            ]
+            muon = torch.optim.Muon(
+                [{"params": hidden, "name": "muon"}],
+                lr=hp.muon_learning_rate,
+                momentum=hp.muon_momentum,
+                weight_decay=hp.muon_weight_decay,
+            )
+            adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.learning_rate, betas=tuple(hp.betas))
+            optimizer = OptimizerChain([muon, adamw])
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
         total = hp.decay_steps
         if hp.cosine_decay and total is None:
             total = max(int(self.trainer.estimated_stepping_batches), hp.warmup_steps + 1)
@@ -264,12 +306,13 @@ def warmup_cosine_schedule(
     afterwards; without ``decay_steps`` the rate stays at ``lr`` after the warmup.
 
     Args:
-        optimizer: its groups' ``lr`` is the peak rate.
+        optimizer: each group's ``lr`` is its peak rate (groups may differ, e.g. Muon's and AdamW's).
         warmup_steps: optimizer steps of warmup (0: none).
         decay_steps: the optimizer step where the cosine reaches its floor, ``> warmup_steps``; None: no decay.
         min_lr_ratio: the floor relative to the peak, in [0, 1].
     """
-    peak = optimizer.param_groups[0]["lr"]  # CosineAnnealingLR has one floor: the groups share the peak
+    peaks = {group["lr"] for group in optimizer.param_groups}
+    peak = optimizer.param_groups[0]["lr"]
     schedulers: list[LRScheduler] = []
     milestones: list[int] = []
     if warmup_steps > 0:
@@ -278,7 +321,15 @@ def warmup_cosine_schedule(
     if decay_steps is None:
         schedulers.append(ConstantLR(optimizer, factor=1.0, total_iters=0))
     else:
-        schedulers.append(CosineAnnealingLR(optimizer, T_max=decay_steps - warmup_steps, eta_min=min_lr_ratio * peak))
+        span = decay_steps - warmup_steps
+        if len(peaks) == 1:
+            schedulers.append(CosineAnnealingLR(optimizer, T_max=span, eta_min=min_lr_ratio * peak))
+        else:  # CosineAnnealingLR has one floor for all groups; the closed form scales each group's own peak
+            schedulers.append(
+                LambdaLR(
+                    optimizer, lambda t: min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t / span))
+                )
+            )
         milestones.append(decay_steps)
         schedulers.append(LambdaLR(optimizer, lambda _: min_lr_ratio))  # the floor, flat
     return SequentialLR(optimizer, schedulers, milestones=milestones)
