@@ -77,7 +77,8 @@ def plain_flags(configs: list[Path]) -> list[str]:
         trainer.update(config.get("trainer") or {})
     flags: list[str] = []
     for key, flag in (("model_type", "--model_type"), ("n_layer", "--n_layer"), ("n_head", "--n_head"),
-                      ("n_embd", "--n_embd"), ("learning_rate", "--lr")):  # fmt: skip
+                      ("n_embd", "--n_embd"), ("learning_rate", "--lr"), ("optimizer", "--optimizer"),
+                      ("muon_learning_rate", "--muon_lr")):  # fmt: skip
         if model.get(key) is not None:
             flags += [flag, str(model[key])]
     for key, flag in (("block_size", "--block_size"), ("batch_size", "--batch_size")):

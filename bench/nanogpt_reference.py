@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval_iters", type=int, default=20, help="batches per split and evaluation")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--stop_at_target", action="store_true", help="end at the first evaluation <= --target")
     parser.add_argument("--json", type=Path, default=None, help="also write the evaluations here")
     args = parser.parse_args(argv)
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"step {it:5d}  {seconds:7.1f} s  train/loss {train_loss:.4f}  val/loss {val_loss:.4f}", flush=True)
             if reached is None and val_loss <= args.target:
                 reached = seconds
-            if it == args.max_iters:
+            if it == args.max_iters or (reached is not None and args.stop_at_target):
                 break
         t0 = time.perf_counter()
         _, loss = model(x, y)
@@ -107,8 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         train_time += time.perf_counter() - t0
 
-    tokens_per_s = args.max_iters * batch_size * block_size / train_time
-    print(f"training steps: {tokens_per_s:,.0f} tokens/s ({1e3 * train_time / args.max_iters:.1f} ms/step)")
+    iters = evals[-1]["step"]
+    tokens_per_s = iters * batch_size * block_size / train_time
+    print(f"training steps: {tokens_per_s:,.0f} tokens/s ({1e3 * train_time / max(iters, 1):.1f} ms/step)")
     print(f"val/loss <= {args.target}: " + (f"{reached:.1f} s after launch" if reached else "not reached"))
     result = {"evals": evals, "target": args.target, "seconds_to_target": reached, "tokens_per_s": tokens_per_s}
     if args.json:

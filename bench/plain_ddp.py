@@ -5,8 +5,9 @@ written; :mod:`bench.framework_overhead` passes the file's current ones): the GP
 :mod:`lit_ddp.models.gpt` (``gpt-nano``, context 64, biases, dropout 0; ``--gpt KEY=VALUE`` for the other
 :class:`~lit_ddp.models.gpt.GPTConfig` fields), windows of 64 characters starting at every position of the first 90% of
 Tiny Shakespeare, shuffled by a ``DistributedSampler``, 32 windows per process and step, AdamW (lr 3e-3,
-betas (0.9, 0.95), minGPT's decay groups with weight decay 0.1), warmup + cosine learning rate, gradient
-clipping at norm 1.0. No validation, logging or checkpoints: only training steps are timed.
+betas (0.9, 0.95), minGPT's decay groups with weight decay 0.1) or ``--optimizer muon`` (``torch.optim.Muon``
+on the blocks' matrices, AdamW on the rest, as ``GPTModule`` builds them), warmup + cosine learning rate,
+gradient clipping at norm 1.0. No validation, logging or checkpoints: only training steps are timed.
 
 Modes:
 
@@ -44,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from bench.charlm import cosine_lr, load_splits
 from bench.matmul_peak import matmul_flops
-from lit_ddp.models.gpt import GPT, GPTConfig, adamw_param_groups
+from lit_ddp.models.gpt import GPT, GPTConfig, adamw_param_groups, muon_param_groups
 
 
 class Windows(Dataset):
@@ -100,6 +101,20 @@ def peak_flops(threads: int) -> float:
         torch.set_num_threads(before)
 
 
+def plain_optimizers(model: GPT, args: argparse.Namespace) -> list[tuple[torch.optim.Optimizer, float]]:
+    """The optimizers with their peak learning rates: AdamW (minGPT's decay groups), or for ``--optimizer
+    muon`` ``torch.optim.Muon`` on the blocks' matrices and AdamW on the rest, as ``GPTModule`` builds them."""
+    groups = adamw_param_groups(model, 0.1)
+    if args.optimizer == "adamw":
+        return [(torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95)), args.lr)]
+    hidden, others = muon_param_groups(model)
+    keep = {id(p) for p in others}
+    groups = [{**g, "params": [p for p in g["params"] if id(p) in keep]} for g in groups]
+    muon = torch.optim.Muon(hidden, lr=args.muon_lr, momentum=0.95, weight_decay=0.0)
+    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95))
+    return [(muon, args.muon_lr), (adamw, args.lr)]
+
+
 def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, batch_size: int) -> dict[str, Any]:
     """Runs ``args.steps`` steps on this rank; returns rank zero's step times (seconds) and sizes."""
     torch.set_num_threads(threads)
@@ -114,7 +129,7 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed))
         net = model
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    optimizer = torch.optim.AdamW(adamw_param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
+    optimizers = plain_optimizers(model, args)
 
     times: list[float] = []
     last = None
@@ -125,13 +140,16 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
         if last is not None:
             times.append(now - last)
         last = now
-        for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, args.lr, 0.1 * args.lr, 100, args.steps)
+        for optimizer, peak in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_lr(step, peak, 0.1 * peak, 100, args.steps)
         _, loss = net(x, y)
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer, _ in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        for optimizer, _ in optimizers:
+            optimizer.step()
     return {
         "step_times": times[args.warmup :],
         "tokens_per_step": world * batch_size * args.block_size,
@@ -209,7 +227,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     parser.add_argument("--block_size", type=int, default=64)
     parser.add_argument("--batch_size", type=int, default=32, help="windows per process and step (ddp)")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    parser.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak learning rate")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--peak_flops", type=float, default=None, help="FLOP/s of one process; default: measured")
     parser.add_argument("--no_mfu", dest="mfu", action="store_false", help="skip the matmul peak measurement")
