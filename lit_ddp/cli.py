@@ -22,6 +22,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp.callbacks import ExactResume, FiniteLossGuard, PeriodicCheckpoint
 from lit_ddp.callbacks.preemption import PreemptionCheckpoint
@@ -32,7 +33,13 @@ from lit_ddp.checkpointing import (
     check_resumable,
 )
 from lit_ddp.elastic import init_process_group_on_shared_store
-from lit_ddp.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
+from lit_ddp.preflight import (
+    check_ckpt_matches_config,
+    check_ckpt_path,
+    check_config_files,
+    follow_torchrun,
+    run_preflight,
+)
 from lit_ddp.reporting import mark_running, report
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
@@ -104,6 +111,8 @@ class LitDDPCLI(LightningCLI):
         # Mis-launches, devices / precision this machine cannot run, a busy MASTER_PORT: one clear message
         # and exit 2 before anything starts (lit_ddp.preflight). --ckpt_path was checked in _parse_ckpt_path.
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
+            rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
         run_preflight(config.get("trainer"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:

@@ -17,6 +17,8 @@ nothing already saved is touched and no process is left waiting for a peer (:fun
   - ``python`` without ``srun`` in a batch script asking for several tasks: Slurm is detected, one process
     starts, and it waits forever for the others.
   - a config with the ``SLURMEnvironment`` plugin under ``torchrun``: the plugin overrides torchrun's ranks.
+- under torchrun, ``trainer.devices`` / ``trainer.num_nodes`` follow torchrun's ``--nproc_per_node`` /
+  ``--nnodes`` (:func:`follow_torchrun`), so a restart on another layout needs no flag;
 - the trainer against this machine (:func:`check_trainer`): more CPU processes than cores, fp16 on CPU;
 - a user-set ``MASTER_PORT`` that is busy (:func:`check_master_port`);
 - an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`).
@@ -166,6 +168,45 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
             f"The job runs on {nnodes} node(s) (--nodes={nnodes}) but trainer.num_nodes={num_nodes}. Either "
             f"launch with --nodes={num_nodes} or pass --trainer.num_nodes {nnodes}."
         )
+
+
+def follow_torchrun(trainer: Any, env: Mapping[str, str] | None = None) -> str | None:
+    """Under torchrun, sets ``trainer.devices`` to the processes torchrun started on this node
+    (``LOCAL_WORLD_SIZE``, its ``--nproc_per_node``) and ``trainer.num_nodes`` to ``WORLD_SIZE //
+    LOCAL_WORLD_SIZE`` where the config says otherwise: the launcher decides the layout, as ``slurm/*.sbatch``
+    pass Slurm's. A run started with ``--nproc_per_node 2`` therefore resumes under ``--nproc_per_node 1``
+    with the same command (Lightning alone would raise that ``devices * num_nodes`` is not the world size).
+
+    Args:
+        trainer: the ``trainer`` section of the parsed config (a Namespace or a dict), changed in place.
+        env: the environment; defaults to ``os.environ``.
+
+    Returns:
+        A line saying what changed, or None (not under torchrun, or the config already matches).
+    """
+    env = os.environ if env is None else env
+    local, world = _first_int(env.get("LOCAL_WORLD_SIZE")), _first_int(env.get("WORLD_SIZE"))
+    if "TORCHELASTIC_RUN_ID" not in env or not local or not world:
+        return None
+    changes = []
+    devices = _get(trainer, "devices")
+    if devices_per_node(devices) != local:  # "auto" and -1 count here: only torchrun knows
+        changes.append(f"trainer.devices={devices} -> {local}")
+        _set(trainer, "devices", local)
+    nodes = max(1, world // local)
+    if int(_get(trainer, "num_nodes", 1) or 1) != nodes:
+        changes.append(f"trainer.num_nodes={_get(trainer, 'num_nodes', 1)} -> {nodes}")
+        _set(trainer, "num_nodes", nodes)
+    if not changes:
+        return None
+    return f"torchrun started {local} process(es) per node on {nodes} node(s): " + ", ".join(changes)
+
+
+def _set(config: Any, key: str, value: Any) -> None:
+    if isinstance(config, dict):
+        config[key] = value
+    else:
+        setattr(config, key, value)
 
 
 def check_trainer(trainer: Any, cpu_count: int | None = None, cuda_available: bool | None = None) -> None:

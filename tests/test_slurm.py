@@ -20,7 +20,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lit_ddp.cli import cli_main
-from lit_ddp.preflight import UsageError, check_launch, devices_per_node
+from lit_ddp.preflight import UsageError, check_launch, devices_per_node, follow_torchrun
 from lit_ddp.reporting import USAGE_EXIT_CODE, report
 from tests.callbacks import KillAtEpochStart, RecordStart
 from tests.helpers import QUIET, REPO, callback, compose, lit_ddp, recorder_config
@@ -129,6 +129,20 @@ def test_bad_launches_name_the_fix(env: dict, trainer: dict, match: str) -> None
 
 def test_devices_per_node() -> None:
     assert [devices_per_node(d) for d in (2, "2", [0, 1], "0,1,", "auto", -1, None)] == [2, 2, 2, 2, None, None, None]
+
+
+def test_trainer_layout_follows_torchrun() -> None:
+    torchrun_1 = {"TORCHELASTIC_RUN_ID": "7", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}
+    trainer = {"devices": 2, "num_nodes": 1}
+    assert follow_torchrun(trainer, torchrun_1) == (
+        "torchrun started 1 process(es) per node on 2 node(s): trainer.devices=2 -> 1, trainer.num_nodes=1 -> 2"
+    )
+    assert trainer == {"devices": 1, "num_nodes": 2}
+    assert follow_torchrun(trainer, torchrun_1) is None  # already matching
+    assert follow_torchrun({"devices": 2}, {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1"}) is None  # no torchrun
+    auto = {"devices": "auto", "num_nodes": 1}
+    follow_torchrun(auto, {**torchrun_1, "LOCAL_WORLD_SIZE": "2"})
+    assert auto == {"devices": 2, "num_nodes": 1}
 
 
 def test_report_prints_once_and_exits(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:

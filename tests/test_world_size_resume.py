@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests import helpers
-from tests.helpers import compose, load_records, recorder_config
+from tests.helpers import compose, load_records, recorder_config, torchrun
 
 STEPS, STOP = 80, 30  # 56 steps per epoch (1792 samples / 32): the stop is mid-epoch, the end in epoch 2
 REGRESSION = [
@@ -87,6 +87,33 @@ def test_resume_on_another_world_size(
     [record, *_] = load_records(rec2)
     assert record["start_step"] == STOP
     assert_close(final_params(rec2), uninterrupted[first])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_torchrun_resumes_on_fewer_processes_with_no_flag(
+    tmp_path: Path, runner: helpers.Runner, uninterrupted: dict
+) -> None:
+    """``torchrun --nproc_per_node 2`` stopped mid-epoch, then the same command under ``--nproc_per_node 1``
+    (no ``--trainer.devices``: the config's 2 follows torchrun) with batch 32: ends where 2 x 16 ends."""
+    root = tmp_path / "run"
+
+    def launch(nproc: int, batch: int, steps: int, name: str) -> tuple[str, Path]:
+        cb, rec = recorder_config(tmp_path, name)
+        cmd = torchrun("--standalone", "--nproc_per_node", str(nproc), "-m", "lit_ddp", "fit", *REGRESSION,
+                       "--data.init_args.batch_size", str(batch), "--trainer.max_steps", str(steps),
+                       "--config", str(cb), "--trainer.default_root_dir", str(root))  # fmt: skip
+        out = runner.run(cmd, 180)
+        assert out.returncode == 0, out.stdout[-3000:]
+        return out.stdout, rec
+
+    launch(2, 16, STOP, "first")
+    stdout, rec = launch(1, 32, STEPS, "second")
+    assert "torchrun started 1 process(es) per node on 1 node(s): trainer.devices=2 -> 1" in stdout
+    assert f"continues from sample {STOP * 32} of epoch 0" in stdout
+    assert load_records(rec)[0]["start_step"] == STOP
+    assert_close(final_params(rec), uninterrupted["2x16"])
 
 
 def unique_window_text(path: Path, length: int = 1405, seed: int = 0) -> Path:
