@@ -11,8 +11,9 @@ left out):
   in a fresh run directory (so nothing resumes).
 
 The two alternate for ``--rounds`` rounds (which one goes first alternates too), so load from other
-processes on the machine hits both alike. Printed: per round the mean step times and their ratio
-Lightning / plain; then the median ratio with its min-max over rounds, tokens/s and MFU
+processes on the machine hits both alike. A run's step time is the median of its timed steps (a step
+another process stalled is an outlier, not the loop's cost). Printed: per round both step times and their
+ratio Lightning / plain (and the ratio of mean step times); then the median ratio with its min-max over rounds, tokens/s and MFU
 (``GPT.flops_per_token`` x tokens/s per process / the fp32 matmul peak of one process's threads,
 :mod:`bench.matmul_peak`).
 
@@ -111,11 +112,17 @@ def run_side(name: str, command: list[str], json_path: Path, log: Path) -> dict[
     return record.get("ddp", record)  # plain_ddp's JSON holds its results by mode
 
 
-def mean_step(record: dict[str, Any]) -> float:
+def step_time(record: dict[str, Any]) -> float:
+    """A run's steady-state step time: the median of its timed steps (seconds). The median, not the mean: a
+    step that another process on this shared machine stalled says nothing about either loop."""
     times = record["step_times"]
     if not times:
         raise RuntimeError("no steady-state steps were timed: raise --steps or lower --warmup")
-    return sum(times) / len(times)
+    return statistics.median(times)
+
+
+def mean_step(record: dict[str, Any]) -> float:
+    return sum(record["step_times"]) / len(record["step_times"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -145,12 +152,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         args.steps, args.warmup, json_path, work / f"run_{r}", args.lightning_args
                     )
                 result[side] = run_side(side, command, json_path, work / f"{side}_{r}.log")
-            ratio = mean_step(result["lightning"]) / mean_step(result["plain"])
+            ratio = step_time(result["lightning"]) / step_time(result["plain"])
             result["ratio"] = ratio
+            result["ratio_of_means"] = mean_step(result["lightning"]) / mean_step(result["plain"])
             rounds.append(result)
             print(
-                f"round {r + 1}: plain {1e3 * mean_step(result['plain']):.1f} ms/step, "
-                f"lightning {1e3 * mean_step(result['lightning']):.1f} ms/step, ratio {ratio:.3f}",
+                f"round {r + 1}: median step plain {1e3 * step_time(result['plain']):.1f} ms, "
+                f"lightning {1e3 * step_time(result['lightning']):.1f} ms, ratio {ratio:.3f} "
+                f"(of means {result['ratio_of_means']:.3f})",
                 flush=True,
             )
 
@@ -160,8 +169,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
     }
+    summary["ratio_of_means_median"] = statistics.median(r["ratio_of_means"] for r in rounds)
     print(
         f"Lightning / plain step time: median {summary['ratio_median']:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} rounds)"
+        f"; ratio of mean step times: median {summary['ratio_of_means_median']:.3f}"
     )
 
     first = rounds[0]["plain"]
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         peak = peak_flops(first["threads_per_proc"])
     for side in ("plain", "lightning"):
-        step = statistics.median(mean_step(r[side]) for r in rounds)
+        step = statistics.median(step_time(r[side]) for r in rounds)
         record = rounds[0][side]
         tokens_per_s = record["tokens_per_step"] / step
         mfu = record["flops_per_token"] * tokens_per_s / record["procs"] / peak

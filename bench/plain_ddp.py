@@ -11,7 +11,8 @@ gradient clipping at norm 1.0. No validation, logging or checkpoints: only train
 
 Modes:
 
-- ``ddp``: ``--procs`` processes (default 2), ``torch.multiprocessing.spawn``, gloo, ``DDP(model)``, each
+- ``ddp``: ``--procs`` processes (default 2), ``torch.multiprocessing.spawn``, gloo,
+  ``DDP(model, forward_sync_buffers=False)`` (as ``configs/trainer/ddp.yaml``), each
   process with ``cores // procs`` threads (what Lightning gives each);
 - ``single``: one process with ``cores`` threads and the same global batch (``procs x batch_size``);
 - ``both``: ``ddp`` then ``single``, and the DDP scaling: tokens/s of ``ddp`` over tokens/s of ``single``.
@@ -124,7 +125,7 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
     dataset = Windows(train, args.block_size)
     if world > 1:
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-        net: torch.nn.Module = DDP(model)
+        net: torch.nn.Module = DDP(model, forward_sync_buffers=False)  # as configs/trainer/ddp.yaml
     else:
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed))
         net = model

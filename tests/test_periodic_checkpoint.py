@@ -49,3 +49,32 @@ def saved_steps(tmp_path: Path, every: int, interval: timedelta | None) -> list[
 )
 def test_step_and_time_triggers(tmp_path: Path, every: int, interval: timedelta, expected: list[int]) -> None:
     assert saved_steps(tmp_path, every, interval) == expected
+
+
+def test_resume_keeps_top_k_and_one_last(tmp_path: Path) -> None:
+    """Saves made while the time trigger is swapped in keep the state key a resume looks up: the resumed run
+    still deletes beyond save_top_k and overwrites last.ckpt (no last-v1.ckpt)."""
+
+    def fit(max_steps: int, ckpt_path: str | None) -> PeriodicCheckpoint:
+        ckpt = PeriodicCheckpoint(
+            dirpath=tmp_path / "ckpt",
+            every_n_train_steps=2,
+            train_time_interval=timedelta(hours=1),
+            monitor="step",
+            mode="max",
+            save_top_k=2,
+            save_last=True,
+        )
+        trainer = Trainer(
+            accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[ckpt], logger=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(RegressionModule(), RegressionDataModule(num_samples=512), ckpt_path=ckpt_path)
+        return ckpt
+
+    fit(6, None)
+    resumed = fit(10, str(tmp_path / "ckpt" / "last.ckpt"))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0-step=10.ckpt", "epoch=0-step=8.ckpt", "last.ckpt",
+    ]  # fmt: skip
+    assert set(resumed.best_k_models) == {str(tmp_path / "ckpt" / f"epoch=0-step={s}.ckpt") for s in (8, 10)}

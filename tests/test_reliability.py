@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, Trainer
 
+from lit_ddp.callbacks import preemption
 from lit_ddp.checkpointing import checkpoint_step, find_resume_checkpoint
 from tests import helpers
 from tests.helpers import QUIET, compose, load_records, torchrun
@@ -91,6 +92,21 @@ def text(tmp_path: Path) -> Path:
     path = tmp_path / "tiny.txt"
     path.write_text(read_embedded_text()[:6000])
     return path
+
+
+def test_lightnings_per_step_sigterm_broadcast_goes_when_we_own_sigterm() -> None:
+    """Lightning 2.6 broadcasts a SIGTERM flag before every step (blocking); once PreemptionCheckpoint's handler
+    owns SIGTERM that flag can never be set, so the broadcast is turned off, and only then."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        for handle_sigterm in (True, False):
+            trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+            preemption.PreemptionCheckpoint(handle_sigterm=handle_sigterm).on_train_start(trainer, None)
+            turned_off = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is preemption._no_sigterm_broadcast
+            assert turned_off is handle_sigterm
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
 
 
 # ---- torchrun: random SIGKILLs, a SIGTERM to the agent

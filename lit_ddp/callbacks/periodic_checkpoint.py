@@ -46,7 +46,27 @@ class PeriodicCheckpoint(ModelCheckpoint):
             **kwargs,
         )
         self._train_time_interval = train_time_interval
+        self._configured_interval = train_time_interval  # for state_key, which must not follow the swap below
+        self._state_key: str | None = None
         self._time_in_flight: tuple[Any, torch.Tensor] | None = None  # (work, "due" flag) of the last step
+
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint, from the configured triggers.
+
+        ``on_train_batch_end`` swaps ``_train_time_interval`` while ``ModelCheckpoint`` saves; ``ModelCheckpoint``'s
+        key reads it, so a step checkpoint would file the state (``best_k_models``, ``last_model_path``) under
+        another key than the one a resume looks up, and the resumed run would forget its top-k files and write
+        ``last-v1.ckpt`` beside ``last.ckpt``. Outside that window the two keys are the same."""
+        if self._state_key is None:  # Lightning reads it at every hook call (profiler names): built once
+            self._state_key = self._generate_state_key(
+                monitor=self.monitor,
+                mode=self.mode,
+                every_n_train_steps=self._every_n_train_steps,
+                every_n_epochs=self._every_n_epochs,
+                train_time_interval=self._configured_interval,
+            )
+        return self._state_key
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
