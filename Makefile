@@ -44,7 +44,7 @@ bench: venv
 	$(BIN)/python -m bench.checkpoint_overhead
 
 # The main job's speed table: time to val/loss 1.886 vs nanoGPT's CPU recipe, Lightning vs plain DDP step
-# time, DDP scaling, MFU (about 15 minutes; README "Speed").
+# time, DDP scaling, MFU (about 20 minutes; README "Speed").
 bench-speed: venv
 	$(BIN)/python -m bench.speed $(BENCH_ARGS)
 

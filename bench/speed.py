@@ -11,14 +11,15 @@ side by side, never an absolute time compared across runs):
    ``val/loss`` points in TensorBoard's event file. Also its total wall time (launch to exit) and final
    ``val/loss``. ``--rounds`` alternates the two.
 2. **Lightning vs plain DDP**: :mod:`bench.framework_overhead` (steady-state step time of ``lit-ddp fit``
-   over a plain PyTorch DDP loop, same model, data and batch, 2 processes, interleaved rounds): the median
-   ratio and its min-max.
+   over a plain PyTorch DDP loop, same model, data and batch, 2 processes, ``--overhead_rounds`` interleaved
+   rounds, 10 by default: on this shared machine one round's ratio moves by +-10 %, more than the effect
+   measured): the median ratio and its min-max.
 3. **DDP scaling**: :mod:`bench.plain_ddp` ``--mode both``: tokens/s of 2 processes x 1 thread over
    1 process x 2 threads on the same global batch.
 4. **MFU**: model FLOPs per token (``GPT.flops_per_token``, the 6N + attention estimate of PaLM's appendix B)
    x tokens/s per process over the fp32 matmul peak of one process's threads (:mod:`bench.matmul_peak`).
 
-Run: ``make bench-speed`` (about 15 minutes), or ``python -m bench.speed --help``.
+Run: ``make bench-speed`` (about 20 minutes), or ``python -m bench.speed --help``.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=float, default=1.886, help="val/loss both runs are timed to")
     parser.add_argument("--rounds", type=int, default=1, help="reference / make train pairs, alternating")
-    parser.add_argument("--overhead_rounds", type=int, default=3, help="rounds of bench.framework_overhead")
-    parser.add_argument("--steps", type=int, default=300, help="steps per run of the step-time measurements")
+    parser.add_argument("--overhead_rounds", type=int, default=10, help="rounds of bench.framework_overhead")
+    parser.add_argument("--steps", type=int, default=150, help="steps per run of the step-time measurements")
     parser.add_argument("--skip", nargs="*", default=[], choices=["time", "overhead", "scaling"])
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("train_args", nargs="*", help="extra make train arguments (after --)")
