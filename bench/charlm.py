@@ -2,24 +2,19 @@
 batches, the warmup + cosine learning rate, and a loss estimate. Only torch, numpy and the standard library:
 the loops that use them measure PyTorch, not this package's Lightning code.
 
-The text is the package's embedded copy (``lit_ddp/data/tinyshakespeare.txt.gz``), read straight from the
-file so that no network and no package import is involved.
+The text is the package's embedded copy (:func:`lit_ddp.data.sources.read_embedded_text`, sha256-checked;
+that module imports no Lightning, so the reference loop's start-up stays a plain PyTorch one's).
 """
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
-TEXT_GZ = REPO / "lit_ddp" / "data" / "tinyshakespeare.txt.gz"
-TEXT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+from lit_ddp.data.sources import read_embedded_text
 
 
 def load_splits(train_fraction: float = 0.9) -> tuple[str, torch.Tensor, torch.Tensor]:
@@ -33,10 +28,7 @@ def load_splits(train_fraction: float = 0.9) -> tuple[str, torch.Tensor, torch.T
     Raises:
         ValueError: the embedded file is damaged (sha256 mismatch).
     """
-    raw = gzip.decompress(TEXT_GZ.read_bytes())
-    if hashlib.sha256(raw).hexdigest() != TEXT_SHA256:
-        raise ValueError(f"{TEXT_GZ} does not hold Tiny Shakespeare (sha256 mismatch)")
-    text = raw.decode("utf-8")
+    text = read_embedded_text()
     vocab = "".join(sorted(set(text)))
     table = np.zeros(max(map(ord, vocab)) + 1, dtype=np.int64)
     table[[ord(c) for c in vocab]] = np.arange(len(vocab))

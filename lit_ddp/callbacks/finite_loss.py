@@ -19,7 +19,7 @@ class FiniteLossGuard(Callback):
     """Stops training when the loss becomes NaN or infinite, naming the first such step, before it is checkpointed.
 
     No step pays for the check: each rank notes a non-finite loss in a tensor on its device (no host sync,
-    no collective; on the CPU it reads the value, which syncs with nothing), and every ``check_every_n_steps`` optimizer steps the ranks agree in one all-reduce
+    no collective), and every ``check_every_n_steps`` optimizer steps the ranks agree in one all-reduce
     whether any rank saw one, and at which step first; then all ranks raise together, so none hangs in
     the next collective. A checkpoint save checks the parameters too (they are the same on every rank
     under DDP, so no collective is needed there): a non-finite update never overwrites the last good
@@ -46,12 +46,7 @@ class FiniteLossGuard(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None and self._flags is not None and loss.device.type == "cpu":
-            # On the CPU reading the value costs no device sync: one check instead of a chain of small ops.
-            if not bool(torch.isfinite(loss.detach()).all()) and int(self._flags[0]) == 0:
-                kind = 2 if bool(loss.detach().isnan().any()) else 1
-                self._flags = torch.tensor([kind, -trainer.global_step], dtype=torch.int64)
-        elif loss is not None and self._flags is not None:
+        if loss is not None and self._flags is not None:
             loss = loss.detach()
             kind = torch.where(loss.isnan().any(), 2, torch.where(loss.isinf().any(), 1, 0))
             new = (kind > 0) & (self._flags[0] == 0)  # the first bad step is the one kept

@@ -6,10 +6,10 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_ddp.callbacks.deferred import DeferredFlag
 
 
 class PeriodicCheckpoint(ModelCheckpoint):
@@ -48,7 +48,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
         self._train_time_interval = train_time_interval
         self._configured_interval = train_time_interval  # for state_key, which must not follow the swap below
         self._state_key: str | None = None
-        self._time_in_flight: tuple[Any, torch.Tensor] | None = None  # (work, "due" flag) of the last step
+        self._time_due = DeferredFlag("broadcast")  # rank zero's "the time interval has passed"
 
     @property
     def state_key(self) -> str:
@@ -90,17 +90,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
     def _start_time_broadcast(self, trainer: Trainer, interval: timedelta) -> None:
         last = self._last_time_checked
         due = last is not None and time.monotonic() - last >= interval.total_seconds()  # rank zero's counts
-        flag = torch.tensor([int(due)], dtype=torch.int32, device=trainer.strategy.root_device)
-        work = None
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            work = dist.broadcast(flag, src=0, async_op=True)
-        self._time_in_flight = (work, flag)
+        self._time_due.start(int(due), trainer.strategy.root_device, trainer.world_size)
 
     def _time_due_last_step(self) -> bool:
-        if self._time_in_flight is None:
-            return False
-        work, flag = self._time_in_flight
-        self._time_in_flight = None
-        if work is not None:
-            work.wait()
-        return bool(flag.item())
+        return bool(self._time_due.result())

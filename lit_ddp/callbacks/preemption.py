@@ -9,14 +9,13 @@ import signal
 import subprocess
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp import signals
+from lit_ddp.callbacks.deferred import DeferredFlag
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class PreemptionCheckpoint(Callback):
 
     def __init__(self, handle_sigterm: bool = True) -> None:
         self.handle_sigterm = handle_sigterm
-        self._in_flight: tuple[Any, torch.Tensor] | None = None  # (work, flag) of the last step's all-reduce
+        self._signal = DeferredFlag("max")  # the highest signal number any rank recorded (0: none)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After Lightning's register_signal_handlers(): replace its SIGUSR1 / SIGTERM handlers with ours.
@@ -108,22 +107,12 @@ class PreemptionCheckpoint(Callback):
 
     def _start_agreement(self, trainer: Trainer, local: int | None) -> None:
         """Starts the all-reduce (MAX) of this rank's recorded signal (0: none) without waiting for it."""
-        flag = torch.tensor([local or 0], dtype=torch.int32, device=trainer.strategy.root_device)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            self._in_flight = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        else:
-            self._in_flight = (None, flag)
+        self._signal.start(local or 0, trainer.strategy.root_device, trainer.world_size)
 
     def _agreed_last_step(self, trainer: Trainer) -> int | None:
         """The signal any rank had recorded when the all-reduce in flight was started (the highest number
         when ranks recorded different ones), or None; waits for that all-reduce."""
-        if self._in_flight is None:
-            return None
-        work, flag = self._in_flight
-        self._in_flight = None
-        if work is not None:
-            work.wait()
-        return int(flag.item()) or None
+        return self._signal.result() or None
 
 
 def wait_for_checkpoint_writes(trainer: Trainer) -> None:

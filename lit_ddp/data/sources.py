@@ -15,7 +15,6 @@ from importlib import resources
 from pathlib import Path
 
 import fsspec
-from lightning.pytorch.utilities import rank_zero_info
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -74,6 +73,8 @@ def download(url: str, cache_dir: str | Path, sha256: str | None = None) -> Path
     target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
     if not target.exists():
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        from lightning.pytorch.utilities import rank_zero_info  # here: importing Lightning takes seconds
+
         rank_zero_info(f"Downloading {url} to {target}")
         try:
             with fsspec.open(url, "rb") as src, open(tmp, "wb") as dst:
