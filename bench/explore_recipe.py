@@ -152,6 +152,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         }
         Path(out).write_text(json.dumps(result, default=str))
     if world > 1:
+        del net  # the DDP wrapper first: see lit_ddp.ddp_by_hand.grad_worker for the exit hang otherwise
         dist.destroy_process_group()
 
 

@@ -29,10 +29,12 @@ NUM_FEATURES = 20
 
 
 def spawn(fn: Any, *args: Any, world_size: int = 2, timeout: float = 120.0) -> None:
-    """Runs ``fn(rank, world_size, port, timeout, *args)`` in ``world_size`` spawned processes and waits.
+    """Runs ``fn(rank, world_size, port, timeout / 2, *args)`` in ``world_size`` spawned processes and waits
+    at most ``timeout`` seconds for them.
 
-    ``fn`` must be importable (defined in a module). ``port`` is a free TCP port for the rendezvous and
-    ``timeout`` bounds every collective call inside the workers, so a stuck worker fails instead of hanging.
+    ``fn`` must be importable (defined in a module). ``port`` is a free TCP port for the rendezvous; the
+    workers bound every collective call by half the deadline, so a stuck collective fails with its own
+    message (a ``ProcessRaisedException`` naming the rank) before the deadline kills the workers.
 
     Raises:
         TimeoutError: the workers did not all finish within ``timeout`` seconds (they are killed).
@@ -40,7 +42,7 @@ def spawn(fn: Any, *args: Any, world_size: int = 2, timeout: float = 120.0) -> N
     """
     ctx = mp.start_processes(
         fn,
-        args=(world_size, find_free_network_port(), timeout, *args),
+        args=(world_size, find_free_network_port(), timeout / 2, *args),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -142,29 +144,39 @@ def grad_worker(
     """
     init_group(rank, world_size, port, timeout)
     try:
-        model = make_model(seed=rank)
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        ddp = DDP(model)  # broadcasts rank 0's parameters and buffers to every rank
-        after_wrap = {n: p.detach().clone() for n, p in model.named_parameters()}
-        x, y = make_batch(global_batch)
-        rows = local_indices(global_batch, rank, world_size)
-        loss = F.mse_loss(ddp(x[rows]), y[rows])  # the mean over this rank's rows only
-        loss.backward()  # gradient hooks all-reduce (sum, then divide by world_size) bucket by bucket
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        torch.optim.SGD(ddp.parameters(), lr=lr).step()
-        after_step = {n: p.detach().clone() for n, p in model.named_parameters()}
-        record = {
-            "rank": rank,
-            "rows": rows,
-            "local_loss": loss.item(),
-            "params_before_ddp": before,
-            "params_after_ddp": after_wrap,
-            "grads": grads,
-            "params_after_step": after_step,
-        }
+        # The DDP wrapper lives only inside grad_step: it must be gone before destroy_process_group. If it
+        # outlives the group, its Reducer holds the last reference to the gloo backend, whose destructor then
+        # joins gloo's worker thread while holding the GIL, and that thread may be waiting for the GIL to free
+        # its last work item: the process never exits (seen on torch 2.13 about one run in two; the blocking
+        # destructor is pytorch/pytorch#56297).
+        record = grad_step(rank, world_size, global_batch, lr)
         torch.save(record, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def grad_step(rank: int, world_size: int, global_batch: int, lr: float) -> dict[str, Any]:
+    """The body of :func:`grad_worker` inside a joined process group: returns the record it saves."""
+    model = make_model(seed=rank)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ddp = DDP(model)  # broadcasts rank 0's parameters and buffers to every rank
+    after_wrap = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = make_batch(global_batch)
+    rows = local_indices(global_batch, rank, world_size)
+    loss = F.mse_loss(ddp(x[rows]), y[rows])  # the mean over this rank's rows only
+    loss.backward()  # gradient hooks all-reduce (sum, then divide by world_size) bucket by bucket
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(ddp.parameters(), lr=lr).step()
+    after_step = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {
+        "rank": rank,
+        "rows": rows,
+        "local_loss": loss.item(),
+        "params_before_ddp": before,
+        "params_after_ddp": after_wrap,
+        "grads": grads,
+        "params_after_step": after_step,
+    }
 
 
 def reference_grads(global_batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
