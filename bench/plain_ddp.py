@@ -133,11 +133,15 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
     optimizers = plain_optimizers(model, args)
 
     times: list[float] = []
+    starts: list[float] = []
     last = None
     for step, (x, y) in enumerate(loader):
         if step == args.steps:
             break
-        now = time.perf_counter()  # after the batch fetch: the same point as on_train_batch_start
+        now = time.clock_gettime(time.CLOCK_MONOTONIC)  # after the batch fetch, as on_train_batch_start
+        starts.append(now)
+        if step == 0 and rank == 0 and args.started_file:
+            Path(args.started_file).touch()  # start-up is over (bench.framework_overhead waits for this)
         if last is not None:
             times.append(now - last)
         last = now
@@ -153,6 +157,7 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
             optimizer.step()
     return {
         "step_times": times[args.warmup :],
+        "step_starts": starts,  # every step's start, CLOCK_MONOTONIC (system-wide) seconds
         "tokens_per_step": world * batch_size * args.block_size,
         "procs": world,
         "threads_per_proc": threads,
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no_mfu", dest="mfu", action="store_false", help="skip the matmul peak measurement")
     parser.add_argument("--json", type=Path, default=None, help="write the results (step times included) here")
     parser.add_argument("--tmp", default="/tmp")
+    parser.add_argument("--started_file", default=None, help="rank zero creates this file when step 0 begins")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} + 1")

@@ -11,9 +11,9 @@ side by side, never an absolute time compared across runs):
    ``val/loss`` points in TensorBoard's event file. Also its total wall time (launch to exit) and final
    ``val/loss``. ``--rounds`` alternates the two.
 2. **Lightning vs plain DDP**: :mod:`bench.framework_overhead` (steady-state step time of ``lit-ddp fit``
-   over a plain PyTorch DDP loop, same model, data and batch, 2 processes, ``--overhead_rounds`` interleaved
-   rounds, 10 by default: on this shared machine one round's ratio moves by +-10 %, more than the effect
-   measured): the median ratio and its min-max.
+   over a plain PyTorch DDP loop, same model, data and batch, 2 processes, the two running in turns of one
+   second for ``--overhead_steps`` steps each: rounds of one turn each): the median ratio over rounds with
+   its quartiles, and the ratio of all counted steps' mean step times.
 3. **DDP scaling**: :mod:`bench.plain_ddp` ``--mode both``: tokens/s of 2 processes x 1 thread over
    1 process x 2 threads on the same global batch.
 4. **MFU**: model FLOPs per token (``GPT.flops_per_token``, the 6N + attention estimate of PaLM's appendix B)
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=float, default=1.886, help="val/loss both runs are timed to")
     parser.add_argument("--rounds", type=int, default=1, help="reference / make train pairs, alternating")
-    parser.add_argument("--overhead_rounds", type=int, default=10, help="rounds of bench.framework_overhead")
-    parser.add_argument("--steps", type=int, default=150, help="steps per run of the step-time measurements")
+    parser.add_argument("--overhead_steps", type=int, default=1000, help="steps per side of bench.framework_overhead")
+    parser.add_argument("--steps", type=int, default=300, help="steps per run of the DDP scaling measurement")
     parser.add_argument("--skip", nargs="*", default=[], choices=["time", "overhead", "scaling"])
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("train_args", nargs="*", help="extra make train arguments (after --)")
@@ -145,9 +145,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
                 rows.append(("time to loss, make train / reference", f"{statistics.median(ratios):.2f}{spread}", "target <= 0.60"))  # fmt: skip
         if "overhead" not in args.skip:
-            over = framework_overhead.main(["--rounds", str(args.overhead_rounds), "--steps", str(args.steps)])
+            over = framework_overhead.main(["--steps", str(args.overhead_steps)])
             results["framework_overhead"] = over
-            rows.append(("step time, lit-ddp fit / plain DDP", f"{over['ratio_median']:.3f} ({over['ratio_min']:.3f}-{over['ratio_max']:.3f})", f"median of {args.overhead_rounds} rounds; target <= 1.02"))  # fmt: skip
+            rows.append(("step time, lit-ddp fit / plain DDP", f"{over['ratio_median']:.3f} ({over['ratio_q1']:.3f}-{over['ratio_q3']:.3f})", f"median (quartiles) of {over['rounds']} rounds; target <= 1.02"))  # fmt: skip
+            rows.append(("  all counted steps: ratio of mean step times", f"{over['pooled_ratio_of_means']:.3f}", f"{over['plain']['steps_counted']} + {over['lightning']['steps_counted']} steps"))  # fmt: skip
             for side in ("plain", "lightning"):
                 s = over[side]
                 rows.append((f"{side} DDP: tokens/s (2 x 1 thread)", f"{s['tokens_per_s']:,.0f}", f"MFU {100 * s['mfu']:.1f}%"))  # fmt: skip

@@ -1,7 +1,8 @@
-"""A small flag agreed across ranks in a non-blocking collective, read one step after it was sent."""
+"""A few small integers agreed across ranks in a non-blocking collective, read at a later step."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -9,13 +10,14 @@ import torch.distributed as dist
 
 
 class DeferredFlag:
-    """One int32 value that every rank sends after an optimizer step and reads after the next one.
+    """Int32 values that every rank sends after an optimizer step and reads after a later one.
 
-    :meth:`start` launches the collective (``"max"``: an all-reduce MAX of every rank's value; ``"broadcast"``:
-    rank zero's value) with ``async_op=True`` and returns at once; :meth:`result` waits for the one in flight,
-    which by then has had a whole step to finish, so no step waits for the agreement. Every rank must call
-    :meth:`start` at the same steps. One process (no process group): the value is the local one.
-    torch.distributed does the work; this keeps the work handle and its tensor together.
+    :meth:`start` launches the collective (``"max"``: an elementwise all-reduce MAX of every rank's values;
+    ``"broadcast"``: rank zero's values) with ``async_op=True`` and returns at once; :meth:`result` waits for
+    the one in flight, which by then has had at least a whole step to finish, so no step waits for the
+    agreement. Every rank must call :meth:`start` at the same steps. One process (no process group): the
+    values are the local ones. torch.distributed does the work; this keeps the work handle and its tensor
+    together.
 
     Args:
         op: ``"max"`` or ``"broadcast"`` (from rank zero).
@@ -27,9 +29,9 @@ class DeferredFlag:
         self.op = op
         self._in_flight: tuple[Any, torch.Tensor] | None = None  # (work or None, the tensor it fills)
 
-    def start(self, value: int, device: torch.device, world_size: int) -> None:
-        """Sends ``value`` (replacing an unread one, which the caller must have read with :meth:`result`)."""
-        flag = torch.tensor([value], dtype=torch.int32, device=device)
+    def start(self, values: int | Sequence[int], device: torch.device, world_size: int) -> None:
+        """Sends ``values`` (replacing unread ones, which the caller must have read with :meth:`result`)."""
+        flag = torch.tensor([values] if isinstance(values, int) else list(values), dtype=torch.int32, device=device)
         work = None
         if dist.is_available() and dist.is_initialized() and world_size > 1:
             if self.op == "max":
@@ -39,11 +41,16 @@ class DeferredFlag:
         self._in_flight = (work, flag)
 
     def result(self) -> int | None:
-        """The agreed value of the collective in flight (waiting for it), or None when none is in flight."""
+        """The agreed (first) value of the collective in flight (waiting for it), or None when none is in flight."""
+        values = self.results()
+        return None if values is None else values[0]
+
+    def results(self) -> list[int] | None:
+        """The agreed values of the collective in flight (waiting for it), or None when none is in flight."""
         if self._in_flight is None:
             return None
         work, flag = self._in_flight
         self._in_flight = None
         if work is not None:
             work.wait()
-        return int(flag.item())
+        return flag.tolist()

@@ -18,10 +18,10 @@ class NonFiniteLossError(RuntimeError):
 class FiniteLossGuard(Callback):
     """Stops training when the loss becomes NaN or infinite, naming the first such step, before it is checkpointed.
 
-    No step pays for the check: each rank notes a non-finite loss in a tensor on its device (no host sync,
-    no collective), and every ``check_every_n_steps`` optimizer steps the ranks agree in one all-reduce
-    whether any rank saw one, and at which step first; then all ranks raise together, so none hangs in
-    the next collective. A checkpoint save checks the parameters too (they are the same on every rank
+    No step pays for the check: each rank keeps a reference to every step's loss (no tensor op, no host
+    sync, no collective), and every ``check_every_n_steps`` optimizer steps it looks at the losses kept
+    since the last look and the ranks agree in one all-reduce whether any rank saw a non-finite one, and
+    at which step first; then all ranks raise together, so none hangs in the next collective. A checkpoint save checks the parameters too (they are the same on every rank
     under DDP, so no collective is needed there): a non-finite update never overwrites the last good
     checkpoint, whatever the interval (Lightning runs checkpoint callbacks after this one).
 
@@ -37,21 +37,17 @@ class FiniteLossGuard(Callback):
         if check_every_n_steps is not None and check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps={check_every_n_steps} must be >= 1 (or None)")
         self.check_every_n_steps = check_every_n_steps
-        self._flags: torch.Tensor | None = None  # [kind (0 finite, 1 inf, 2 nan), -first bad global_step]
+        self._losses: list[tuple[int, torch.Tensor]] = []  # (global_step after the step, its loss) since the last look
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flags = torch.tensor([0, -_NO_STEP], dtype=torch.int64, device=trainer.strategy.root_device)
+        self._losses = []
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None and self._flags is not None:
-            loss = loss.detach()
-            kind = torch.where(loss.isnan().any(), 2, torch.where(loss.isinf().any(), 1, 0))
-            new = (kind > 0) & (self._flags[0] == 0)  # the first bad step is the one kept
-            step = torch.tensor(-trainer.global_step, device=self._flags.device)  # counted after this step
-            self._flags = torch.where(new, torch.stack([kind, step]), self._flags)
+        if isinstance(loss, torch.Tensor):
+            self._losses.append((trainer.global_step, loss))  # global_step counts this step already
         every = self.check_every_n_steps or trainer.log_every_n_steps or 1
         if trainer.global_step % every == 0:
             self._agree(trainer)
@@ -60,9 +56,16 @@ class FiniteLossGuard(Callback):
         self._agree(trainer)  # the steps since the last agreement (every rank ends training at the same step)
 
     def _agree(self, trainer: Trainer) -> None:
-        if self._flags is None:
-            return
-        flags = self._flags.clone()
+        # [kind (0 finite, 1 inf, 2 nan), -first bad global_step]: MAX over ranks keeps the worst kind and
+        # the earliest step.
+        flags = torch.tensor([0, -_NO_STEP], dtype=torch.int64, device=trainer.strategy.root_device)
+        if self._losses:
+            losses = torch.stack([loss.detach().float().sum() for _, loss in self._losses])
+            nan, bad = losses.isnan(), ~losses.isfinite()
+            if bool(bad.any()):
+                first = int(bad.nonzero()[0])
+                flags[0], flags[1] = (2 if bool(nan[first]) else 1), -self._losses[first][0]
+            self._losses = []
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # worst kind; -min(step) is max(-step)
         kind, step = int(flags[0]), -int(flags[1])

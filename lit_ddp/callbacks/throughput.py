@@ -1,24 +1,35 @@
-"""Lightning's ThroughputMonitor for token batches, with a measured peak for MFU on CPUs."""
+"""Lightning's ThroughputMonitor for token batches, with a measured peak for MFU on CPUs and no per-step
+device synchronization."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_only
 
 
 class TokenThroughputMonitor(ThroughputMonitor):
     """Lightning's ThroughputMonitor for ``(x, y)`` token batches: samples/s, tokens/s (``items_per_sec``),
     FLOPs/s from the module's ``flops_per_batch``, and MFU against ``available_flops`` when known.
 
+    Training steps are counted after every batch, but the clock is read only on the steps the logger
+    writes (``trainer.log_every_n_steps``): Lightning's ThroughputMonitor reads it after every batch and,
+    on CUDA, calls ``torch.cuda.synchronize()`` before each read, a host stall per step that a plain loop
+    does not pay. Rates are averaged over the last ``window_size`` logging intervals; validation batches
+    are timed as Lightning does it.
+
     Args:
         available_flops: peak FLOP/s of one device (one process); None: Lightning's table (GPUs only).
             On CPU, measure it with ``python -m bench.matmul_peak``.
-        window_size: batches the rates are averaged over (rates appear once this many have run).
+        window_size: logging intervals the training rates are averaged over (at least 2: rates appear at
+            the second logging step), and batches the validation rates are averaged over.
     """
 
-    def __init__(self, available_flops: float | None = None, window_size: int = 20, **kwargs: Any) -> None:
+    def __init__(self, available_flops: float | None = None, window_size: int = 2, **kwargs: Any) -> None:
         super().__init__(
             batch_size_fn=lambda batch: batch[0].size(0),
             length_fn=lambda batch: batch[0].numel(),
@@ -26,6 +37,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
             **kwargs,
         )
         self._available_flops_override = available_flops
+        self._flops_since_update = 0
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -33,3 +45,33 @@ class TokenThroughputMonitor(ThroughputMonitor):
             self.available_flops = self._available_flops_override
             for throughput in self._throughputs.values():
                 throughput.available_flops = self._available_flops_override
+
+    @rank_zero_only
+    def on_train_start(self, trainer: Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self._flops_since_update = 0
+
+    @rank_zero_only
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, *args: Any
+    ) -> None:
+        stage = trainer.state.stage
+        assert stage is not None
+        self._samples[stage] += self.batch_size_fn(batch)
+        if self.length_fn is not None:
+            self._lengths[stage] += self.length_fn(batch)
+        self._batches[stage] += 1
+        self._flops_since_update += getattr(pl_module, "flops_per_batch", None) or 0
+        if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
+            return
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # the clock must see the device's work: once per logging interval
+        self._throughputs[stage].update(
+            time=time.perf_counter() - self._t0s[stage],
+            batches=self._batches[stage],
+            samples=self._samples[stage],
+            lengths=None if self.length_fn is None else self._lengths[stage],
+            flops=self._flops_since_update or None,
+        )
+        self._flops_since_update = 0
+        self._compute(trainer)

@@ -139,6 +139,7 @@ class GPTModule(LightningModule):
         self.model: GPT | None = None
         self._forward = None  # the compiled forward when compile=True (a function: not a registered submodule)
         self.flops_per_batch: int | None = None
+        self._flops_per_token: dict[int, int] = {}  # by context length: the parameter count is fixed
         self.val_loss = MeanMetric()
         if vocab is not None:
             self.configure_model()
@@ -197,9 +198,15 @@ class GPTModule(LightningModule):
         """``idx (B, T) -> (logits (B, T, V), loss | None)``; see :meth:`GPT.forward`."""
         return self._forward(idx, targets) if self._forward is not None else self.model(idx, targets)
 
+    def flops_per_token(self, seq_len: int) -> int:
+        """:meth:`GPT.flops_per_token` at context ``seq_len``, counted once (it walks every parameter)."""
+        if seq_len not in self._flops_per_token:
+            self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len)
+        return self._flops_per_token[seq_len]
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        self.flops_per_batch = self.model.flops_per_token(x.size(1)) * x.numel()  # forward + backward
+        self.flops_per_batch = self.flops_per_token(x.size(1)) * x.numel()  # forward + backward
         _, loss = self(x, y)
         # The mean over ranks is one all-reduce: only on the steps the logger writes (trainer.log_every_n_steps).
         if self.trainer._logger_connector.should_update_logs:
@@ -208,7 +215,7 @@ class GPTModule(LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.flops_per_batch = self.model.flops_per_token(x.size(1)) * x.numel() // 3  # forward only
+        self.flops_per_batch = self.flops_per_token(x.size(1)) * x.numel() // 3  # forward only
         _, loss = self(x, y)
         self.val_loss.update(loss, weight=x.numel())
 
