@@ -19,7 +19,8 @@ after a pause) and comes after the first ``--warmup`` steps (start-up). A *round
 and the plain slice just before it, a few seconds apart, so both see the same machine: its ratio is the
 Lightning slice's mean step time over the plain slice's (means, not medians, so a periodic cost such as
 logging every 50 steps counts in full). Printed: the median ratio over rounds with quartiles and min-max,
-the pooled ratio of all counted steps' means (and medians), and tokens/s and MFU of each side
+a bootstrap 95 % interval of that median, the pooled ratio of all counted steps' means (and medians), and
+tokens/s and MFU of each side
 (``GPT.flops_per_token`` x tokens/s per process / the fp32 matmul peak of one process's threads,
 :mod:`bench.matmul_peak`).
 
@@ -32,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -210,6 +212,14 @@ def quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def bootstrap_median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 2.5 % and 97.5 % points of the median over ``resamples`` bootstrap resamples of ``values`` (Efron's
+    percentile bootstrap): how far the median of this many rounds moves by chance."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Runs both sides interleaved (see the module docstring); returns their records, slices and rounds."""
     flags = plain_flags(job_configs())
@@ -286,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratios = [r["ratio"] for r in rounds]
     pooled = {side: [t for r in rounds for t in r[side]] for side in SIDES}
     q1, q3 = quartiles(ratios)
+    low, high = bootstrap_median_interval(ratios)
     summary: dict[str, Any] = {
         "rounds": len(rounds),
         "slice_s": args.slice_s,
@@ -294,12 +305,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_q3": q3,
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "ratio_median_ci95": [low, high],
         "pooled_ratio_of_means": statistics.mean(pooled["lightning"]) / statistics.mean(pooled["plain"]),
         "pooled_ratio_of_medians": statistics.median(pooled["lightning"]) / statistics.median(pooled["plain"]),
     }
     print(
         f"Lightning / plain step time over {len(rounds)} rounds of {args.slice_s:g} s slices: median "
-        f"{summary['ratio_median']:.3f} (quartiles {q1:.3f}-{q3:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}); "
+        f"{summary['ratio_median']:.3f} (95% interval of the median {low:.3f}-{high:.3f}; quartiles {q1:.3f}-{q3:.3f}, "
+        f"min {min(ratios):.3f}, max {max(ratios):.3f}); "
         f"all counted steps: ratio of means {summary['pooled_ratio_of_means']:.3f}, "
         f"of medians {summary['pooled_ratio_of_medians']:.3f}"
     )
