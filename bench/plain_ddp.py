@@ -15,7 +15,8 @@ Modes:
   ``DDP(model, forward_sync_buffers=False)`` (as ``configs/trainer/ddp.yaml``), each
   process with ``cores // procs`` threads (what Lightning gives each);
 - ``single``: one process with ``cores`` threads and the same global batch (``procs x batch_size``);
-- ``both``: ``ddp`` then ``single``, and the DDP scaling: tokens/s of ``ddp`` over tokens/s of ``single``.
+- ``both``: ``ddp`` and ``single`` as two subprocesses running in turns of ``--slice_s`` seconds
+  (:mod:`bench.turns`), and the DDP scaling: the median over rounds of tokens/s of ``ddp`` over ``single``.
 
 A step's time is the wall time between the starts of consecutive steps on rank zero (data loading,
 forward, backward with the gradient all-reduce, clipping and the optimizer step); the first ``--warmup``
@@ -33,6 +34,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -208,6 +210,52 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return summarize(result, peak)
 
 
+def without_options(argv: list[str], *names: str) -> list[str]:
+    """``argv`` without the options ``names`` and their values (``--name value`` or ``--name=value``)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(f"{name}=") for name in names):
+            out.append(arg)
+    return out
+
+
+def both_in_turns(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """``ddp`` and ``single`` as two subprocesses running in turns of ``--slice_s`` seconds
+    (:mod:`bench.turns`); the DDP scaling is the median over rounds of a single turn's mean step time over
+    the ddp turn's before it (the same global batch: tokens/s of ddp over single)."""
+    from bench import turns
+
+    base = without_options(argv, "--mode", "--json", "--started_file")
+    with tempfile.TemporaryDirectory(prefix="plain_ddp_both_") as tmp:
+        work = Path(tmp)
+        paths = {mode: work / f"{mode}.json" for mode in ("ddp", "single")}
+        commands = {
+            mode: [sys.executable, "-m", "bench.plain_ddp", *base, "--mode", mode, "--json", str(paths[mode]),
+                   "--started_file", str(turns.started_path(paths[mode]))]
+            for mode in paths
+        }  # fmt: skip
+        result = turns.run_in_turns(commands, paths, work, args.slice_s, args.warmup, timeout=1800.0)
+    results = {mode: record[mode] for mode, record in result["records"].items()}
+    rounds = turns.pair_rounds(result, {mode: results[mode]["step_starts"] for mode in results}, args.warmup)
+    summary = turns.summarize_rounds(rounds, "ddp", "single")
+    for mode in results:  # tokens/s and MFU from the steps counted in the turns
+        r = results[mode]
+        r["mean_step_s"] = summary["mean_step_s"][mode]
+        r["tokens_per_s"] = r["tokens_per_step"] / r["mean_step_s"]
+        if "peak_flops_per_proc" in r:
+            r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / r["procs"] / r["peak_flops_per_proc"]
+        report(mode, r)
+    results["ddp_over_single"] = summary["ratio_median"]
+    results["scaling"] = summary
+    print(f"DDP scaling, tokens/s of ddp / single in turns of {args.slice_s:g} s: {turns.describe(summary)}")
+    return results
+
+
 def report(name: str, r: dict[str, Any]) -> None:
     mfu = f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
     print(
@@ -242,18 +290,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None, help="write the results (step times included) here")
     parser.add_argument("--tmp", default="/tmp")
     parser.add_argument("--started_file", default=None, help="rank zero creates this file when step 0 begins")
+    parser.add_argument("--slice_s", type=float, default=1.0, help="--mode both: seconds per turn")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} + 1")
 
-    results = {}
-    for mode in ["ddp", "single"] if args.mode == "both" else [args.mode]:
-        results[mode] = run(mode, args)
-        report(mode, results[mode])
     if args.mode == "both":
-        scaling = results["ddp"]["tokens_per_s"] / results["single"]["tokens_per_s"]
-        results["ddp_over_single"] = scaling
-        print(f"DDP scaling: tokens/s of ddp / single = {scaling:.2f}")
+        results = both_in_turns(args, argv if argv is not None else sys.argv[1:])
+    else:
+        results = {args.mode: run(args.mode, args)}
+        report(args.mode, results[args.mode])
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     sys.stdout.flush()

@@ -15,7 +15,7 @@ side by side, never an absolute time compared across runs):
    second for ``--overhead_steps`` steps each: rounds of one turn each): the median ratio over rounds with
    its quartiles, and the ratio of all counted steps' mean step times.
 3. **DDP scaling**: :mod:`bench.plain_ddp` ``--mode both``: tokens/s of 2 processes x 1 thread over
-   1 process x 2 threads on the same global batch.
+   1 process x 2 threads on the same global batch, the two running in one-second turns (:mod:`bench.turns`).
 4. **MFU**: model FLOPs per token (``GPT.flops_per_token``, the 6N + attention estimate of PaLM's appendix B)
    x tokens/s per process over the fp32 matmul peak of one process's threads (:mod:`bench.matmul_peak`).
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--target", type=float, default=1.886, help="val/loss both runs are timed to")
     parser.add_argument("--rounds", type=int, default=1, help="reference / make train pairs, alternating")
     parser.add_argument("--overhead_steps", type=int, default=2000, help="steps per side of bench.framework_overhead")
-    parser.add_argument("--steps", type=int, default=300, help="steps per run of the DDP scaling measurement")
+    parser.add_argument("--steps", type=int, default=600, help="steps per side of the DDP scaling measurement")
     parser.add_argument("--skip", nargs="*", default=[], choices=["time", "overhead", "scaling"])
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("train_args", nargs="*", help="extra make train arguments (after --)")
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             flags = framework_overhead.plain_flags(framework_overhead.job_configs())
             both = plain_ddp.main(["--mode", "both", "--steps", str(args.steps), *flags])
             results["scaling"] = both
-            rows.append(("DDP scaling: tokens/s 2 x 1 thread / 1 x 2 threads", f"{both['ddp_over_single']:.2f}", "same global batch"))  # fmt: skip
+            sc = both["scaling"]
+            rows.append(("DDP scaling: tokens/s 2 x 1 thread / 1 x 2 threads", f"{sc['ratio_median']:.3f} ({sc['ratio_median_ci95'][0]:.3f}-{sc['ratio_median_ci95'][1]:.3f})", f"median of {sc['rounds']} rounds (95% interval); same global batch"))  # fmt: skip
             for mode in ("ddp", "single"):
                 r = both[mode]
                 rows.append(

@@ -25,8 +25,9 @@ class TokenThroughputMonitor(ThroughputMonitor):
     Args:
         available_flops: peak FLOP/s of one device (one process); None: Lightning's table (GPUs only).
             On CPU, measure it with ``python -m bench.matmul_peak``.
-        window_size: logging intervals the training rates are averaged over (at least 2: rates appear at
-            the second logging step), and batches the validation rates are averaged over.
+        window_size: points the training rates are averaged over: the start of training and each logging
+            step (at least 2; 2: the rate of the last logging interval), and batches the validation rates
+            are averaged over.
     """
 
     def __init__(self, available_flops: float | None = None, window_size: int = 2, **kwargs: Any) -> None:
@@ -50,6 +51,17 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def on_train_start(self, trainer: Trainer, *args: Any) -> None:
         super().on_train_start(trainer, *args)
         self._flops_since_update = 0
+        # The start is the window's first point, so rates appear from the first logging step on, after a
+        # resume too: TensorBoard then shows the same throughput steps as an uninterrupted run.
+        stage = trainer.state.stage
+        assert stage is not None
+        self._throughputs[stage].update(
+            time=0.0,
+            batches=self._batches[stage],
+            samples=self._samples[stage],
+            lengths=None if self.length_fn is None else self._lengths[stage],
+            flops=0,
+        )
 
     @rank_zero_only
     def on_train_batch_end(
