@@ -155,9 +155,11 @@ def test_torchrun_random_kills_end_exact_and_exit_zero(
 def test_sigterm_to_torchrun_saves_fails_and_resumes_exactly(
     tmp_path: Path, runner: helpers.Runner, recorder, text: Path
 ) -> None:
-    """SIGTERM to the torchrun agent mid-run: the workers save at the next step, the job exits with a failure
-    status, and re-running the command resumes from that checkpoint and ends as an uninterrupted run."""
-    args = task_args("regression", text, 400)
+    """SIGTERM to the torchrun agent mid-run: the workers save at an agreed step boundary (within about two
+    seconds), the job exits with a failure status, and re-running the command resumes from that checkpoint and
+    ends as an uninterrupted run. 2000 regression steps take 10-20 s here, so the signal, 1-3 s after start,
+    lands mid-run (a signal in a run's last seconds lets it finish instead)."""
+    args = task_args("regression", text, 2000)
     ref_cb, ref_rec = recorder("ref")
     out = runner.run(
         torchrun_cmd(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref")), 200
