@@ -24,9 +24,11 @@ SIGNALS = 3
 FT = ["--config", "configs/checkpoint/fault_tolerant.yaml"]  # after CONFIG: train.sbatch passes it on
 TASKS = {
     "regression": ["configs/regression/slurm.yaml", *FT, "--trainer.max_epochs", "120", *QUIET],
+    # 5000 steps: three delays of up to 45 s of training each must not reach the end (2000 did once: the third
+    # run resumed at step 1048 and finished before its signal).
     "mingpt": [
         "configs/mingpt/slurm.yaml", *FT, *TINY_GPT_ARGS, "--model.init_args.sample_tokens", "0",
-        "--trainer.max_epochs", "-1", "--trainer.max_steps", "2000", "--trainer.val_check_interval", "200",
+        "--trainer.max_epochs", "-1", "--trainer.max_steps", "5000", "--trainer.val_check_interval", "500",
         "--trainer.limit_val_batches", "4",
     ],
 }  # fmt: skip
