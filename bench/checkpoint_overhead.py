@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ["configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml"]
 VARIANTS = {
     "none": None,
-    "sync": "lit_ddp.checkpointing.AtomicCheckpointIO",
-    "async": "lit_ddp.checkpointing.AsyncAtomicCheckpointIO",
+    "sync": "lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO",
+    "async": "lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO",
 }
 
 

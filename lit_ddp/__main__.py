@@ -1,14 +1,14 @@
 """``python -m lit_ddp`` is the same as the ``lit-ddp`` command.
 
 Before Lightning is imported, ``fit`` makes SIGUSR1 (Slurm's preemption notice) only record a request
-(:mod:`lit_ddp.signals`): the run saves and requeues at its first optimizer step instead of dying on a
+(:mod:`lit_ddp.resilience.signals`): the run saves and requeues at its first optimizer step instead of dying on a
 signal that arrives during start-up.
 """
 
 import signal
 import sys
 
-from lit_ddp import signals
+from lit_ddp.resilience import signals
 
 
 def main() -> None:

@@ -10,11 +10,12 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+from lit_ddp import compat
 
 
 class HParamsTensorBoardLogger(TensorBoardLogger):
@@ -42,8 +43,8 @@ class HParamsTensorBoardLogger(TensorBoardLogger):
         super().log_hyperparams(params, metrics, step)  # hparams.yaml (and the events when metrics are given)
         if metrics is not None or self._default_hp_metric or not self.hparams_metrics:
             return
-        flat = self._sanitize_params(_flatten_dict(_convert_params(params)))
-        writer = self.experiment._get_file_writer()
+        flat = self._sanitize_params(compat.flatten_hparams(params))
+        writer = compat.tensorboard_file_writer(self.experiment)
         for summary in hparams_summaries(flat, dict.fromkeys(self.hparams_metrics, 0.0)):
             writer.add_summary(summary, step)
         writer.flush()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lit_ddp import signals
+from lit_ddp.resilience import signals
 
 
 def _write(directory: str, name: str, text: str) -> None:
@@ -35,7 +35,7 @@ def _slurm_restart_count() -> int:
 
 def _sleep(seconds: float, until_signal: bool = False) -> None:
     """Sleeps in short slices, so that Python-level signal handlers run between them; with ``until_signal``,
-    returns as soon as a preemption signal has been recorded (:mod:`lit_ddp.signals`)."""
+    returns as soon as a preemption signal has been recorded (:mod:`lit_ddp.resilience.signals`)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not (until_signal and signals.requested() is not None):
         time.sleep(0.05)
@@ -199,7 +199,7 @@ class PauseForSignal(Callback):
     """On the first run of a Slurm job only, stops every rank after training step ``step`` and waits there.
 
     Each rank writes ``<out_dir>/paused_rank<R>`` and then sleeps in short slices until its handler has recorded
-    a preemption signal (:mod:`lit_ddp.signals`), so the test can send ``scancel --signal=USR1`` at a known step
+    a preemption signal (:mod:`lit_ddp.resilience.signals`), so the test can send ``scancel --signal=USR1`` at a known step
     and the ranks save (``PreemptionCheckpoint``, after this callback in the same hook) at that step. Gives up
     (and trains on) after ``max_wait`` seconds.
 

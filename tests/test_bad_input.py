@@ -164,7 +164,8 @@ def test_generate_errors(tmp_path: Path, fit, runner: Runner) -> None:
 
 
 def test_check_trainer_uses_the_given_machine() -> None:
-    from lit_ddp.preflight import UsageError, check_trainer
+    from lit_ddp.launch.errors import UsageError
+    from lit_ddp.launch.preflight import check_trainer
 
     check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=8, cuda_available=False)
     with pytest.raises(UsageError, match="trainer.devices=8 but this machine has 4 CPU core"):

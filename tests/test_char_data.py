@@ -110,10 +110,10 @@ def test_bad_arguments(tmp_path: Path) -> None:
 def test_source_precedence(monkeypatch: pytest.MonkeyPatch, text_file: Path) -> None:
     monkeypatch.delenv(DATA_ENV, raising=False)
     assert CharDataModule().source == EMBEDDED
-    assert CharDataModule().expected_sha256 == TINY_SHAKESPEARE_SHA256
+    assert CharDataModule().text_source.sha256 == TINY_SHAKESPEARE_SHA256
     monkeypatch.setenv(DATA_ENV, str(text_file))
     dm = CharDataModule()
-    assert dm.source == str(text_file) and dm.expected_sha256 is None
+    assert dm.source == str(text_file) and dm.text_source.sha256 is None
     other = text_file.with_name("other.txt")
     other.write_text("other text")
     assert CharDataModule(path=str(other)).source == str(other)

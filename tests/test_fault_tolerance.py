@@ -105,7 +105,7 @@ def test_one_process_resume_is_exact(
         text = request.getfixturevalue("tiny_text")
         # mingpt: asynchronous saves, to show they are as exact.
         args = one_process(mingpt_args(14, 4, text))
-        args += ["--trainer.plugins", "lit_ddp.checkpointing.AsyncAtomicCheckpointIO"]
+        args += ["--trainer.plugins", "lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO"]
         kills = [6, 11]
     ref_cb, ref_rec = recorder("ref")
     out = runner.fit(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref"), timeout=120)

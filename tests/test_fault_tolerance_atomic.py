@@ -20,12 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ddp.checkpointing import (
-    AtomicCheckpointIO,
-    NoValidCheckpointError,
-    find_resume_checkpoint,
-    is_valid_checkpoint,
-)
+from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
+from lit_ddp.resilience.resume import NoValidCheckpointError, find_resume_checkpoint, is_valid_checkpoint
 from tests.helpers import Runner, compose, wait
 
 OTHER_FS = Path("/dev/shm")
@@ -74,7 +70,7 @@ def test_atomic_io_survives_kill_while_writing(tmp_path: Path, runner: Runner) -
     ready = tmp_path / "ready"
     code = f"""
         import os, torch
-        from lit_ddp.checkpointing import AtomicCheckpointIO
+        from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
         io = AtomicCheckpointIO()
         if not os.path.exists({str(path)!r}):
             io.save_checkpoint({{"w": torch.zeros(10), "n": -1}}, {str(path)!r})

@@ -14,7 +14,8 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from lit_ddp.checkpointing import checkpoint_candidates, find_resume_checkpoint, is_valid_checkpoint, write_atomic
+from lit_ddp.resilience.checkpoint_io import write_atomic
+from lit_ddp.resilience.resume import checkpoint_candidates, find_resume_checkpoint, is_valid_checkpoint
 from tests.callbacks import KillAtSteps
 from tests.helpers import QUIET, Runner, callback, compose, kill_group, load_records, start
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_ddp.checkpointing import AsyncAtomicCheckpointIO, AtomicCheckpointIO
 from lit_ddp.cli import cli_main
 from lit_ddp.data.sources import TINY_SHAKESPEARE_BYTES, TINY_SHAKESPEARE_SHA256, read_embedded_text
+from lit_ddp.resilience.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lit_ddp"
@@ -45,15 +45,97 @@ def test_models_import_only_torch(path: Path) -> None:
         assert top in stdlib or top == "torch" or name.startswith("lit_ddp.models"), f"{path.name} imports {name}"
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "data").rglob("*.py")), ids=lambda p: p.name)
-def test_data_never_imports_tasks_or_training_machinery(path: Path) -> None:
+TUTORIAL = ("models", "data", "tasks", "callbacks", "recipe.py")
+"""What a learner reads from a YAML to the tensor: it never imports the machinery."""
+MACHINERY = ("lit_ddp.resilience", "lit_ddp.launch", "lit_ddp.compat", "lit_ddp.cli")
+
+
+def tutorial_modules() -> list[Path]:
+    return sorted(
+        p for part in TUTORIAL for p in ([PACKAGE / part] if part.endswith(".py") else (PACKAGE / part).rglob("*.py"))
+    )
+
+
+@pytest.mark.parametrize("path", tutorial_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_tutorial_never_imports_the_machinery(path: Path) -> None:
     for name in imported_modules(path):
-        assert not name.startswith(("lit_ddp.tasks", "lit_ddp.callbacks", "lit_ddp.cli")), f"{path.name}: {name}"
+        assert not name.startswith(MACHINERY), f"{path.name} imports {name}"
 
 
-def test_callbacks_never_import_tasks() -> None:
-    for path in (PACKAGE / "callbacks").rglob("*.py"):
-        assert not any(n.startswith("lit_ddp.tasks") for n in imported_modules(path)), path.name
+def test_recipe_is_lightning_free() -> None:
+    for name in imported_modules(PACKAGE / "recipe.py"):
+        assert not name.startswith(("lightning", "pytorch_lightning")), name
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "data").rglob("*.py")), ids=lambda p: p.name)
+def test_data_never_imports_tasks(path: Path) -> None:
+    for name in imported_modules(path):
+        assert not name.startswith(("lit_ddp.tasks", "lit_ddp.callbacks")), f"{path.name}: {name}"
+
+
+def test_cli_reaches_the_machinery_through_one_door() -> None:
+    """cli.py takes the resilience layer as one class (ResilientCLI) and nothing else from it."""
+    tree = ast.parse((PACKAGE / "cli.py").read_text())
+    from_resilience = [
+        (node.module, [a.name for a in node.names])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lit_ddp.resilience")
+    ]
+    assert from_resilience == [("lit_ddp.resilience", ["ResilientCLI"])]
+
+
+def private_accesses(path: Path) -> list[str]:
+    """``x._name`` where ``x`` is not ``self``/``cls`` (dunders aside), and imports of ``_names``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("lit_ddp"):
+            found += [
+                f"{path.name}:{node.lineno} {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and a.name != "__future__"
+            ]
+            if any(part.startswith("_") and not part.startswith("__") for part in node.module.split(".")):
+                found.append(f"{path.name}:{node.lineno} {node.module}")
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if p.name != "compat.py"], ids=lambda p: str(p.relative_to(REPO)))
+def test_private_internals_only_in_compat(path: Path) -> None:
+    assert private_accesses(path) == []
+
+
+def import_closure(*starts: Path) -> dict[Path, int]:
+    """Lines of every package module reachable from ``starts`` through ``lit_ddp`` imports (a package import
+    runs its ``__init__``): what a reader opens to follow the code."""
+    seen: dict[Path, int] = {}
+    todo = list(starts)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen[path] = len(path.read_text().splitlines())
+        for name in imported_modules(path):
+            parts = name.split(".")
+            if parts[0] != "lit_ddp":
+                continue
+            for i in range(1, len(parts) + 1):
+                base = REPO.joinpath(*parts[:i])
+                todo += [p for p in (base / "__init__.py", base.with_suffix(".py")) if p.exists()]
+    return seen
+
+
+def test_the_minGPT_reading_path_is_at_most_1000_lines() -> None:
+    """From `make train`'s YAML to the tensor entering GPT.forward: the task, its data and the model, with
+    everything they import from the package (README "Development" quotes the number)."""
+    closure = import_closure(
+        PACKAGE / "tasks" / "mingpt.py", PACKAGE / "data" / "char.py", PACKAGE / "models" / "gpt.py"
+    )
+    total = sum(closure.values())
+    print(f"{total} lines: " + ", ".join(f"{p.relative_to(PACKAGE)} {n}" for p, n in sorted(closure.items())))
+    assert total <= 1000
 
 
 def test_embedded_text_is_tiny_shakespeare() -> None:
@@ -87,7 +169,7 @@ def test_atomic_checkpoint_io_is_the_default(config: str, tmp_path: Path) -> Non
 def test_another_checkpoint_io_is_kept(tmp_path: Path) -> None:
     trainer = trainer_of(
         "--config", str(REPO / "configs/regression/single_device.yaml"),
-        "--trainer.plugins", "lit_ddp.checkpointing.AsyncAtomicCheckpointIO",
+        "--trainer.plugins", "lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO",
         "--trainer.default_root_dir", str(tmp_path),
     )  # fmt: skip
     assert type(trainer.strategy.checkpoint_io) is AsyncAtomicCheckpointIO

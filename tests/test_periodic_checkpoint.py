@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 
-from lit_ddp.callbacks import PeriodicCheckpoint
 from lit_ddp.data.regression import RegressionDataModule
+from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
 from lit_ddp.tasks.regression import RegressionModule
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lit_ddp import signals
-from lit_ddp.callbacks.deferred import DeferredFlag
-from lit_ddp.callbacks.preemption import Preempted, PreemptionCheckpoint
 from lit_ddp.data.regression import RegressionDataModule
+from lit_ddp.resilience import signals
+from lit_ddp.resilience.deferred import DeferredFlag
+from lit_ddp.resilience.preemption import Preempted, PreemptionCheckpoint
 from lit_ddp.tasks.regression import RegressionModule
 
 STEP_S = 0.01  # each step sleeps this long, so its time is known to within the machine's noise

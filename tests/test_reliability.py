@@ -17,8 +17,9 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lit_ddp.callbacks import preemption
-from lit_ddp.checkpointing import checkpoint_step, find_resume_checkpoint
+from lit_ddp import compat
+from lit_ddp.resilience import preemption
+from lit_ddp.resilience.resume import checkpoint_step, find_resume_checkpoint
 from tests import helpers
 from tests.helpers import QUIET, compose, load_records, torchrun
 from tests.test_fault_tolerance import assert_same_params, mingpt_args, regression_args
@@ -76,7 +77,7 @@ def workers(proc: subprocess.Popen) -> list[int]:
 
 
 def torchrun_cmd(*args: str) -> list[str]:
-    # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarts must work without it (lit_ddp.elastic).
+    # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarts must work without it (lit_ddp.resilience.elastic).
     return torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
                     "-m", "lit_ddp", "fit", *args)  # fmt: skip
 
@@ -102,7 +103,7 @@ def test_lightnings_per_step_sigterm_broadcast_goes_when_we_own_sigterm() -> Non
         for handle_sigterm in (True, False):
             trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
             preemption.PreemptionCheckpoint(handle_sigterm=handle_sigterm).on_train_start(trainer, None)
-            turned_off = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is preemption._no_sigterm_broadcast
+            turned_off = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is compat._no_sigterm_broadcast
             assert turned_off is handle_sigterm
     finally:
         for signum, handler in saved.items():

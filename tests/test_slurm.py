@@ -20,8 +20,10 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lit_ddp.cli import cli_main
-from lit_ddp.preflight import UsageError, check_launch, devices_per_node, follow_torchrun
-from lit_ddp.reporting import USAGE_EXIT_CODE, report
+from lit_ddp.launch.environment import devices_per_node, follow_torchrun
+from lit_ddp.launch.errors import UsageError
+from lit_ddp.launch.preflight import check_launch
+from lit_ddp.launch.reporting import USAGE_EXIT_CODE, report
 from tests.callbacks import KillAtEpochStart, RecordStart
 from tests.helpers import QUIET, REPO, callback, compose, lit_ddp, recorder_config
 from tests.helpers_slurm import cancel, require_cluster, run_srun, sbatch, wait_job_done

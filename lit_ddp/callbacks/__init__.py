@@ -1,17 +1,7 @@
-"""Lightning callbacks, one per file: exact resume, periodic checkpoints, the finite-loss guard, text
-samples and token throughput."""
+"""Monitoring callbacks the configs name: text samples and token throughput. (The callbacks that make a run
+survive are in :mod:`lit_ddp.resilience`.)"""
 
-from lit_ddp.callbacks.exact_resume import ExactResume
-from lit_ddp.callbacks.finite_loss import FiniteLossGuard, NonFiniteLossError
-from lit_ddp.callbacks.periodic_checkpoint import PeriodicCheckpoint
 from lit_ddp.callbacks.text_samples import TextSampleCallback
 from lit_ddp.callbacks.throughput import TokenThroughputMonitor
 
-__all__ = [
-    "ExactResume",
-    "FiniteLossGuard",
-    "NonFiniteLossError",
-    "PeriodicCheckpoint",
-    "TextSampleCallback",
-    "TokenThroughputMonitor",
-]
+__all__ = ["TextSampleCallback", "TokenThroughputMonitor"]

@@ -11,6 +11,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit_ddp import compat
+
 
 class TokenThroughputMonitor(ThroughputMonitor):
     """Lightning's ThroughputMonitor for ``(x, y)`` token batches: samples/s, tokens/s (``items_per_sec``),
@@ -74,7 +76,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
             self._lengths[stage] += self.length_fn(batch)
         self._batches[stage] += 1
         self._flops_since_update += getattr(pl_module, "flops_per_batch", None) or 0
-        if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
+        if compat.should_accumulate(trainer) or not compat.should_update_logs(trainer):
             return
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()  # the clock must see the device's work: once per logging interval

@@ -8,9 +8,6 @@ appears in training.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
@@ -18,20 +15,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_ddp.data.samplers import resumable_sampler
-from lit_ddp.data.sources import (
-    DATA_ENV,
-    DEFAULT_CACHE_DIR,
-    TINY_SHAKESPEARE_SHA256,
-    TINY_SHAKESPEARE_URL,
-    check_local_text,
-    download,
-    is_url,
-    read_embedded_text,
-    sha256_of,
-)
-
-EMBEDDED = "embedded"
-"""The source name of the Tiny Shakespeare copy inside the package (see :mod:`lit_ddp.data.sources`)."""
+from lit_ddp.data.sources import DEFAULT_CACHE_DIR, TextSource
 
 
 def build_vocab(text: str) -> str:
@@ -146,9 +130,7 @@ class CharDataModule(LightningDataModule):
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be >= 0")
         self.save_hyperparameters()
-        # A bad local path is reported now, before any DDP process is launched (reading waits for setup).
-        if self.source != EMBEDDED and not is_url(self.source):
-            check_local_text(self.source)
+        self.text_source = TextSource(path, sha256, cache_dir)  # a bad local path is reported now, before launch
         self.vocab: str | None = None
         self.train_set: CharWindows | None = None
         self.val_set: CharWindows | None = None
@@ -156,44 +138,16 @@ class CharDataModule(LightningDataModule):
     @property
     def source(self) -> str:
         """The path or URL the text is read from, or ``"embedded"`` for the package's Tiny Shakespeare."""
-        return self.hparams.path or os.environ.get(DATA_ENV) or EMBEDDED
-
-    @property
-    def expected_sha256(self) -> str | None:
-        if self.hparams.sha256 is not None:
-            return self.hparams.sha256
-        return TINY_SHAKESPEARE_SHA256 if self.source in (TINY_SHAKESPEARE_URL, EMBEDDED) else None
-
-    def local_path(self) -> Path | None:
-        """The local file holding the text (for a URL: its cache file, downloaded if missing), sha256-checked
-        where a checksum is known; None for the embedded text.
-
-        Raises:
-            FileNotFoundError, IsADirectoryError: a bad local path.
-            ValueError: a sha256 mismatch.
-        """
-        if self.source == EMBEDDED:
-            return None
-        if is_url(self.source):
-            return download(self.source, self.hparams.cache_dir, self.expected_sha256)
-        path = check_local_text(self.source)
-        if self.expected_sha256 is not None and (got := sha256_of(path)) != self.expected_sha256:
-            raise ValueError(f"sha256 mismatch for {path}: expected {self.expected_sha256}, got {got}")
-        return path
-
-    def read_text(self) -> str:
-        """The whole text, from :meth:`local_path` or the embedded copy."""
-        path = self.local_path()
-        return read_embedded_text() if path is None else path.read_text(encoding="utf-8")
+        return self.text_source.source
 
     def prepare_data(self) -> None:
-        self.local_path()
+        self.text_source.local_path()  # a URL is downloaded once, by local rank zero
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
         hp = self.hparams
-        text = self.read_text()
+        text = self.text_source.read()
         if not text:
             raise ValueError(f"data {self.source} is empty; give a text file with at least a few thousand characters")
         self.vocab = build_vocab(text)  # of the whole text: truncate never shrinks what a prompt may use

@@ -124,15 +124,7 @@ class GlobalOrderSampler(StatefulDistributedSampler):
 
 
 def resumable_sampler(dataset: Dataset, shuffle: bool = True) -> GlobalOrderSampler:
-    """The train sampler of both tasks: a :class:`GlobalOrderSampler` for this process's rank and world size
-    (1 without a process group), seeded by ``seed_everything``.
-
-    Call it in ``train_dataloader`` (after Lightning has set up the process group) and pass it as the
-    ``sampler`` of a ``StatefulDataLoader``; its position is part of the loader state, which
-    :class:`lit_ddp.callbacks.ExactResume` saves for every rank.
-
-    Args:
-        dataset: the map-style training dataset.
-        shuffle: draw a new permutation every epoch.
-    """
+    """The train sampler of both tasks (DDP's ``DistributedSampler`` role): a :class:`GlobalOrderSampler` for this
+    process's rank and world size, seeded by ``seed_everything``. Call it in ``train_dataloader``, once Lightning
+    has set up the process group; its position is part of the ``StatefulDataLoader``'s state."""
     return GlobalOrderSampler(dataset, shuffle=shuffle)

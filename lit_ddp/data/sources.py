@@ -24,6 +24,8 @@ EMBEDDED_TEXT = "tinyshakespeare.txt.gz"
 DATA_ENV = "LIT_DDP_DATA"
 """Environment variable (a path or URL) that overrides the embedded text; ``make train DATA=...`` sets it."""
 DEFAULT_CACHE_DIR = "~/.cache/lit_ddp"
+EMBEDDED = "embedded"
+"""The source name of the Tiny Shakespeare copy inside the package."""
 
 
 def sha256_of(path: str | Path) -> str:
@@ -106,3 +108,41 @@ def check_local_text(path: str | Path) -> Path:
             "a text file, or leave it unset for the embedded Tiny Shakespeare"
         )
     return p
+
+
+class TextSource:
+    """Where a DataModule's text comes from: ``path`` (a local path or fsspec URL), else ``$LIT_DDP_DATA``, else
+    the embedded Tiny Shakespeare; checked against ``sha256`` where one is given or known.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError: a bad local path (at construction, before any process starts).
+    """
+
+    def __init__(self, path: str | None = None, sha256: str | None = None, cache_dir: str = DEFAULT_CACHE_DIR) -> None:
+        self.source = path or os.environ.get(DATA_ENV) or EMBEDDED
+        known = TINY_SHAKESPEARE_SHA256 if self.source in (TINY_SHAKESPEARE_URL, EMBEDDED) else None
+        self.sha256 = sha256 if sha256 is not None else known
+        self.cache_dir = cache_dir
+        if self.source != EMBEDDED and not is_url(self.source):
+            check_local_text(self.source)
+
+    def local_path(self) -> Path | None:
+        """The local file holding the text (a URL's cache file, downloaded if missing), sha256-checked where a
+        checksum is known; None for the embedded text.
+
+        Raises:
+            ValueError: a sha256 mismatch.
+        """
+        if self.source == EMBEDDED:
+            return None
+        if is_url(self.source):
+            return download(self.source, self.cache_dir, self.sha256)
+        path = check_local_text(self.source)
+        if self.sha256 is not None and (got := sha256_of(path)) != self.sha256:
+            raise ValueError(f"sha256 mismatch for {path}: expected {self.sha256}, got {got}")
+        return path
+
+    def read(self) -> str:
+        """The whole text."""
+        path = self.local_path()
+        return read_embedded_text() if path is None else path.read_text(encoding="utf-8")

@@ -1,6 +1,6 @@
 """Every check that runs before any process starts: one error type, one ``lit-ddp: error:`` line.
 
-Each check raises :class:`UsageError` naming the bad value and what would be right; the CLI prints it once
+Each check raises :class:`~lit_ddp.launch.errors.UsageError` naming the bad value and what would be right; the CLI prints it once
 (rank/task zero) as ``lit-ddp: error: ...`` and exits with status 2, before anything is instantiated, so
 nothing already saved is touched and no process is left waiting for a peer (:func:`run_preflight`).
 
@@ -17,8 +17,6 @@ nothing already saved is touched and no process is left waiting for a peer (:fun
   - ``python`` without ``srun`` in a batch script asking for several tasks: Slurm is detected, one process
     starts, and it waits forever for the others.
   - a config with the ``SLURMEnvironment`` plugin under ``torchrun``: the plugin overrides torchrun's ranks.
-- under torchrun, ``trainer.devices`` / ``trainer.num_nodes`` follow torchrun's ``--nproc_per_node`` /
-  ``--nnodes`` (:func:`follow_torchrun`), so a restart on another layout needs no flag;
 - the trainer against this machine (:func:`check_trainer`): more CPU processes than cores, fp16 on CPU;
 - a user-set ``MASTER_PORT`` that is busy (:func:`check_master_port`);
 - an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`).
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -37,20 +34,11 @@ import torch
 import yaml
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_ddp.checkpointing import checkpoint_header, is_valid_checkpoint
+from lit_ddp.launch.environment import config_value, devices_per_node, leading_int
+from lit_ddp.launch.errors import UsageError
+from lit_ddp.resilience.resume import checkpoint_header, is_valid_checkpoint
 
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")  # Lightning's ``_is_slurm_interactive_mode``
-
-
-class UsageError(ValueError):
-    """A value given on the command line, in a config or by the launcher is wrong; the message says what would
-    be right."""
-
-
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(key, default)
-    return getattr(config, key, default)
 
 
 def _class_paths(plugins: Any) -> list[str]:
@@ -60,31 +48,9 @@ def _class_paths(plugins: Any) -> list[str]:
     items = plugins if isinstance(plugins, list | tuple) else [plugins]
     names = []
     for item in items:
-        class_path = _get(item, "class_path")
+        class_path = config_value(item, "class_path")
         names.append(str(class_path) if class_path is not None else type(item).__name__)
     return names
-
-
-def _first_int(value: str | None) -> int | None:
-    """The leading count of a Slurm task list such as ``2``, ``2(x3)`` or ``2,1``."""
-    match = re.match(r"\s*(\d+)", value or "")
-    return int(match.group(1)) if match else None
-
-
-def devices_per_node(devices: Any) -> int | None:
-    """``trainer.devices`` as a process count, or ``None`` where only the accelerator can tell (``auto``, -1)."""
-    if isinstance(devices, list | tuple):
-        return len(devices)
-    if isinstance(devices, str):
-        devices = devices.strip()
-        if "," in devices:
-            return len([d for d in devices.split(",") if d.strip()])
-        if not re.fullmatch(r"\d+", devices):
-            return None
-        devices = int(devices)
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    return None
 
 
 def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
@@ -99,12 +65,14 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
         UsageError: the first mismatch found, with what would be right.
     """
     env = os.environ if env is None else env
-    slurm_plugin = any(p.rsplit(".", 1)[-1] == "SLURMEnvironment" for p in _class_paths(_get(trainer, "plugins")))
+    slurm_plugin = any(
+        p.rsplit(".", 1)[-1] == "SLURMEnvironment" for p in _class_paths(config_value(trainer, "plugins"))
+    )
     in_job = "SLURM_JOB_ID" in env
     in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
     job_name = env.get("SLURM_JOB_NAME", "")
     interactive = job_name in INTERACTIVE_JOB_NAMES
-    ntasks = _first_int(env.get("SLURM_NTASKS"))
+    ntasks = leading_int(env.get("SLURM_NTASKS"))
     launch_hint = "srun -J NAME --nodes N --ntasks-per-node D python -m lit_ddp fit --config CONFIG"
 
     if "TORCHELASTIC_RUN_ID" in env:
@@ -144,16 +112,16 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
     if not slurm_plugin and (interactive or ntasks is None):
         return
     if (ntasks or 1) > 1 and "SLURM_NTASKS_PER_NODE" not in env:
-        nodes = _first_int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")) or 1
+        nodes = leading_int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")) or 1
         raise UsageError(
             f"The job was launched with --ntasks={ntasks} (e.g. `srun -n {ntasks}`) but without --ntasks-per-node, "
             "which Lightning's SLURMEnvironment needs: one task per device on each node. Use "
             f"`--nodes {nodes} --ntasks-per-node={max(1, ntasks // nodes)}` instead of `-n {ntasks}`."
         )
-    per_node = _first_int(env.get("SLURM_STEP_TASKS_PER_NODE") if in_step else None) or _first_int(
+    per_node = leading_int(env.get("SLURM_STEP_TASKS_PER_NODE") if in_step else None) or leading_int(
         env.get("SLURM_NTASKS_PER_NODE")
     )
-    devices = _get(trainer, "devices")
+    devices = config_value(trainer, "devices")
     want = devices_per_node(devices)
     if per_node is not None and want is not None and per_node != want:
         raise UsageError(
@@ -161,52 +129,13 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
             f"Lightning needs one task per device. Either launch with --ntasks-per-node={want} or pass "
             f"--trainer.devices {per_node}."
         )
-    num_nodes = int(_get(trainer, "num_nodes", 1) or 1)
-    nnodes = _first_int(env.get("SLURM_STEP_NUM_NODES") if in_step else None) or _first_int(env.get("SLURM_NNODES"))
+    num_nodes = int(config_value(trainer, "num_nodes", 1) or 1)
+    nnodes = leading_int(env.get("SLURM_STEP_NUM_NODES") if in_step else None) or leading_int(env.get("SLURM_NNODES"))
     if nnodes is not None and nnodes != num_nodes:
         raise UsageError(
             f"The job runs on {nnodes} node(s) (--nodes={nnodes}) but trainer.num_nodes={num_nodes}. Either "
             f"launch with --nodes={num_nodes} or pass --trainer.num_nodes {nnodes}."
         )
-
-
-def follow_torchrun(trainer: Any, env: Mapping[str, str] | None = None) -> str | None:
-    """Under torchrun, sets ``trainer.devices`` to the processes torchrun started on this node
-    (``LOCAL_WORLD_SIZE``, its ``--nproc_per_node``) and ``trainer.num_nodes`` to ``WORLD_SIZE //
-    LOCAL_WORLD_SIZE`` where the config says otherwise: the launcher decides the layout, as ``slurm/*.sbatch``
-    pass Slurm's. A run started with ``--nproc_per_node 2`` therefore resumes under ``--nproc_per_node 1``
-    with the same command (Lightning alone would raise that ``devices * num_nodes`` is not the world size).
-
-    Args:
-        trainer: the ``trainer`` section of the parsed config (a Namespace or a dict), changed in place.
-        env: the environment; defaults to ``os.environ``.
-
-    Returns:
-        A line saying what changed, or None (not under torchrun, or the config already matches).
-    """
-    env = os.environ if env is None else env
-    local, world = _first_int(env.get("LOCAL_WORLD_SIZE")), _first_int(env.get("WORLD_SIZE"))
-    if "TORCHELASTIC_RUN_ID" not in env or not local or not world:
-        return None
-    changes = []
-    devices = _get(trainer, "devices")
-    if devices_per_node(devices) != local:  # "auto" and -1 count here: only torchrun knows
-        changes.append(f"trainer.devices={devices} -> {local}")
-        _set(trainer, "devices", local)
-    nodes = max(1, world // local)
-    if int(_get(trainer, "num_nodes", 1) or 1) != nodes:
-        changes.append(f"trainer.num_nodes={_get(trainer, 'num_nodes', 1)} -> {nodes}")
-        _set(trainer, "num_nodes", nodes)
-    if not changes:
-        return None
-    return f"torchrun started {local} process(es) per node on {nodes} node(s): " + ", ".join(changes)
-
-
-def _set(config: Any, key: str, value: Any) -> None:
-    if isinstance(config, dict):
-        config[key] = value
-    else:
-        setattr(config, key, value)
 
 
 def check_trainer(trainer: Any, cpu_count: int | None = None, cuda_available: bool | None = None) -> None:
@@ -219,11 +148,11 @@ def check_trainer(trainer: Any, cpu_count: int | None = None, cuda_available: bo
         return
     cpu_count = (os.cpu_count() or 1) if cpu_count is None else cpu_count
     cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
-    accelerator = str(_get(trainer, "accelerator", "auto") or "auto").lower()
+    accelerator = str(config_value(trainer, "accelerator", "auto") or "auto").lower()
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda_available)
     if not on_cpu:
         return
-    devices = _get(trainer, "devices", "auto")
+    devices = config_value(trainer, "devices", "auto")
     if isinstance(devices, str) and devices.strip().isdigit():
         devices = int(devices)
     if isinstance(devices, int) and devices > cpu_count:
@@ -231,7 +160,7 @@ def check_trainer(trainer: Any, cpu_count: int | None = None, cuda_available: bo
             f"trainer.devices={devices} but this machine has {cpu_count} CPU core(s): on CPU each device is one "
             f"process, so use trainer.devices <= {cpu_count} (or trainer.accelerator=gpu on a GPU machine)"
         )
-    precision = str(_get(trainer, "precision", None))
+    precision = str(config_value(trainer, "precision", None))
     if precision in ("16-mixed", "16", "16-true"):
         raise UsageError(
             f"trainer.precision={precision} is for GPUs; on CPU use trainer.precision=bf16-mixed or 32-true"
@@ -289,12 +218,12 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
         )
 
 
-def run_preflight(trainer: Any, ckpt_path: str | None = None, env: Mapping[str, str] | None = None) -> None:
-    """All checks, in the order a user meets the problems: launch, machine, port, checkpoint.
+def run_preflight(trainer: Any, env: Mapping[str, str] | None = None) -> None:
+    """The checks of the trainer config, in the order a user meets the problems: launch, machine, port.
+    (``--ckpt_path`` is checked earlier, when the CLI parses it: :func:`check_ckpt_path`.)
 
     Args:
         trainer: the ``trainer`` section of the parsed config (a Namespace or a dict).
-        ckpt_path: ``--ckpt_path`` of ``fit`` / ``validate``; None when not given.
         env: the environment; defaults to ``os.environ``.
 
     Raises:
@@ -303,7 +232,6 @@ def run_preflight(trainer: Any, ckpt_path: str | None = None, env: Mapping[str, 
     check_launch(trainer, env)
     check_trainer(trainer)
     check_master_port(None if env is None else dict(env))
-    check_ckpt_path(ckpt_path)
 
 
 def check_config_files(argv: list[str]) -> None:
@@ -350,17 +278,17 @@ def check_ckpt_matches_config(ckpt_path: str | None, model_config: Any) -> None:
         return
     hparams = checkpoint_header(str(ckpt_path)).get("hyper_parameters") or {}
     saved_class = hparams.get("_class_path")
-    class_path = _get(model_config, "class_path")
+    class_path = config_value(model_config, "class_path")
     if saved_class and class_path and saved_class != class_path:
         raise UsageError(
             f"--ckpt_path {ckpt_path} is a checkpoint of {saved_class}, but the config trains {class_path}: "
             "give a checkpoint of the same task, or the config of the task that wrote it"
         )
-    init_args = _get(model_config, "init_args") or {}
+    init_args = config_value(model_config, "init_args") or {}
     for key, saved in hparams.items():
         if key.startswith("_") or key == "vocab":
             continue
-        given = _get(init_args, key, saved)
+        given = config_value(init_args, key, saved)
         if _plain(given) != _plain(saved):
             rank_zero_warn(
                 f"--ckpt_path {ckpt_path}: the checkpoint's model.init_args.{key}={saved!r} replaces the "

@@ -5,7 +5,7 @@ kill) reaches each rank at its own moment: during a forward pass, inside DDP's g
 validation or a checkpoint save. Lightning's own handlers save a checkpoint (SIGUSR1) or broadcast (SIGTERM)
 inside the handler, i.e. wherever the rank happens to be, which can interleave a collective with DDP's
 (Lightning issue 21406) and captures loop counters mid-step. Here the handler records the signal and
-returns; :class:`lit_ddp.callbacks.preemption.PreemptionCheckpoint` acts on it at the next optimizer-step
+returns; :class:`lit_ddp.resilience.preemption.PreemptionCheckpoint` acts on it at the next optimizer-step
 boundary, where every rank is at the same point.
 
 Standard library only: ``lit_ddp.__main__`` installs the SIGUSR1 handler before importing Lightning (about
@@ -31,11 +31,6 @@ def install(*signums: int) -> None:
     """Makes each of ``signums`` only record a request (see :func:`requested`)."""
     for signum in signums:
         signal.signal(signum, _record)
-
-
-def is_installed(signum: int) -> bool:
-    """Whether ``signum``'s handler is this module's."""
-    return signal.getsignal(signum) is _record
 
 
 def requested() -> int | None:

@@ -12,34 +12,25 @@ from typing import Any
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_ddp import signals
-from lit_ddp.callbacks.deferred import DeferredFlag
+from lit_ddp import compat
+from lit_ddp.launch.errors import Preempted
+from lit_ddp.resilience import signals
+from lit_ddp.resilience.checkpoint_io import wait_for_checkpoint_writes
+from lit_ddp.resilience.deferred import DeferredFlag
 
 log = logging.getLogger(__name__)
 
 MAX_STEPS_BETWEEN_AGREEMENTS = 1000  # an int32 the all-reduce carries; far beyond any useful interval
 
 
-class Preempted(Exception):
-    """Training stopped at a step boundary after a preemption signal; the checkpoint is saved (and, under
-    Slurm, the job requeued). The CLI exits with ``128 + signum``, the status of a process ended by it."""
-
-    def __init__(self, signum: int, path: str, requeued: bool) -> None:
-        self.signum, self.path, self.requeued = signum, path, requeued
-        name = signal.Signals(signum).name
-        action = "the job is requeued" if requeued else "re-run the same command to resume"
-        super().__init__(f"stopped by {name} at a step boundary; saved {path}; {action}")
-
-
 class PreemptionCheckpoint(Callback):
     """Saves, requeues and stops when SIGUSR1 or SIGTERM arrives, at the next optimizer-step boundary.
 
     Lightning's SLURM handler calls ``trainer.save_checkpoint`` inside the signal handler and its SIGTERM
-    handler broadcasts there, on each rank at whatever point that rank is (see :mod:`lit_ddp.signals`); this
-    callback replaces only that part. Its handlers record the signal (``lit_ddp.signals``; SIGUSR1 from the
+    handler broadcasts there, on each rank at whatever point that rank is (see :mod:`lit_ddp.resilience.signals`); this
+    callback replaces only that part. Its handlers record the signal (:mod:`lit_ddp.resilience.signals`; SIGUSR1 from the
     start of ``lit-ddp fit``, SIGTERM from ``on_train_start``, when Lightning has installed its own). At
     agreed optimizer steps, about every ``agreement_interval_s`` seconds of training, each rank starts a
     non-blocking all-reduce (MAX) of "a signal was recorded here" and reads the one it started at the
@@ -55,7 +46,7 @@ class PreemptionCheckpoint(Callback):
        for an asynchronous write in flight (the checkpoint is on disk before anything else happens);
     2. under Slurm with ``SLURMEnvironment(auto_requeue=True)`` and its requeue signal, rank zero runs
        ``scontrol requeue JOB`` (Lightning's command; it is part of its handler, so not callable alone);
-    3. raise :class:`Preempted`, which the CLI turns into exit status ``128 + signum`` without a traceback
+    3. raise :class:`~lit_ddp.launch.errors.Preempted`, which the CLI turns into exit status ``128 + signum`` without a traceback
        (SIGTERM: 143, which torchrun and Slurm read as a failure, so nothing counts the run as finished).
 
     A signal that lands during validation or a save is acted on one agreement later; one that lands in the
@@ -96,14 +87,13 @@ class PreemptionCheckpoint(Callback):
         # After Lightning's register_signal_handlers(): replace its SIGUSR1 / SIGTERM handlers with ours.
         signals.install(signal.SIGUSR1, *([signal.SIGTERM] if self.handle_sigterm else []))
         self._signal, self._next_step, self._last = DeferredFlag("max"), None, None  # a new fit: agree after step one
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if self.handle_sigterm and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            epoch_loop._broadcast_sigterm_tensor = _no_sigterm_broadcast  # see the class docstring
+        if self.handle_sigterm:
+            compat.disable_sigterm_broadcast(trainer)  # see the class docstring
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if compat.should_accumulate(trainer):
             return  # not an optimizer-step boundary
         step = trainer.global_step
         if self._next_step is not None and step < self._next_step:
@@ -115,14 +105,14 @@ class PreemptionCheckpoint(Callback):
         if not signum:
             return
         self._agreed_last_step(trainer)  # no collective left in flight (its answer is this one's or newer)
-        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        path = compat.hpc_save_path(trainer)
         rank_zero_info(f"{signal.Signals(signum).name} received: saving {path} at global_step {trainer.global_step}")
         trainer.save_checkpoint(path)
-        wait_for_checkpoint_writes(trainer)
+        wait_for_checkpoint_writes(trainer.strategy.checkpoint_io)
         for logger in trainer.loggers:
             logger.save()
         requeued = False
-        env = trainer._accelerator_connector.cluster_environment
+        env = getattr(trainer.strategy, "cluster_environment", None)
         if isinstance(env, SLURMEnvironment) and env.auto_requeue and signum == env.requeue_signal:
             requeued = True
             if trainer.is_global_zero:
@@ -150,22 +140,6 @@ class PreemptionCheckpoint(Callback):
         return self._signal.result() or None
 
 
-def wait_for_checkpoint_writes(trainer: Trainer) -> None:
-    """Blocks until an asynchronous checkpoint write in flight is on disk (a no-op for synchronous IO).
-
-    Raises:
-        BaseException: the error of a failed asynchronous write.
-    """
-    io = trainer.strategy.checkpoint_io
-    while io is not None and not isinstance(io, AsyncCheckpointIO):
-        io = getattr(io, "checkpoint_io", None)
-    if io is None or getattr(io, "_executor", None) is None:
-        return
-    io._executor.submit(lambda: None).result()  # one worker, FIFO: every earlier write has finished
-    if io._error is not None:
-        raise io._error
-
-
 def requeue_slurm_job() -> None:
     """``scontrol requeue`` of this job (array jobs included), as Lightning's SLURM handler does it."""
     array_job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
@@ -180,7 +154,3 @@ def requeue_slurm_job() -> None:
         rank_zero_info(f"Requeued Slurm job {job_id}")
     else:
         log.warning(f"Requeueing Slurm job {job_id} failed with status {result}")
-
-
-def _no_sigterm_broadcast() -> None:
-    """Stands in for Lightning's per-step SIGTERM broadcast while :class:`PreemptionCheckpoint` owns SIGTERM."""

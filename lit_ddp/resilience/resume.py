@@ -1,46 +1,30 @@
-"""Finding the checkpoint a run resumes from.
+"""Finding the checkpoint a run resumes from, the same one on every rank.
 
 Lightning's ``ckpt_path="last"`` only looks for ``last.ckpt`` and silently starts from scratch when it is
 missing or unreadable. A run directory here holds ``checkpoints/*.ckpt`` (ModelCheckpoint) and, under
 Slurm, ``hpc_ckpt_N.ckpt`` (Lightning's requeue save); the newest *valid* one of all of them is the resume
-point. No library offers this, hence our own code.
-
-Writing: :class:`AtomicCheckpointIO` (and :class:`AsyncAtomicCheckpointIO`) make every save atomic, so a
-process killed while writing never destroys the previous checkpoint.
+point. No library offers this, hence our own code. Writing is :mod:`lit_ddp.resilience.checkpoint_io`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import glob
-import io
 import logging
-import os
 import pickle
 import socket
-import tempfile
 import zipfile
 from typing import Any
 
 import fsspec
-import torch
 import torch.distributed as dist
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
-from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_object_storage
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
-from typing_extensions import override
+
+from lit_ddp import compat
+from lit_ddp.launch.errors import NoValidCheckpointError, ResumePointError
 
 log = logging.getLogger(__name__)
-
-
-class NoValidCheckpointError(RuntimeError):
-    """Checkpoints exist in the run directory but none of them can be read."""
 
 
 def _join(fs: fsspec.AbstractFileSystem, root: str, *parts: str) -> str:
@@ -208,123 +192,8 @@ def check_resumable(root_dir: str, checkpoint_dir: str | None = None) -> None:
         raise _no_valid_checkpoint(root_dir, candidates)
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` checkpoints that appear whole or not at all, locally and in object stores.
-
-    Lightning's own save (``_atomic_save``) goes through an fsspec transaction. For a local path that
-    transaction writes to ``tempfile.mkstemp()`` (in ``$TMPDIR``, not beside the target) and then
-    ``shutil.move``s it: a rename when ``$TMPDIR`` is on the target's filesystem, but a plain copy onto the
-    target when it is not (``/tmp`` on tmpfs, a network run directory), and a process killed during that
-    copy leaves a truncated checkpoint in place of the previous one (``tests/test_fault_tolerance_atomic.py``
-    shows it). It also never fsyncs, and a killed writer leaks its temporary file in ``$TMPDIR``.
-
-    Here a local file is written to a hidden temporary file in the target's own directory
-    (``.NAME.XXXX.tmp``, which no ``*.ckpt`` glob matches), fsynced, and renamed over the target with
-    ``os.replace`` (atomic on POSIX); the directory is fsynced too. Temporary files left by killed writers of
-    the same target are removed by the next successful save. An object store (``s3://``, ``gs://``, ...) gets
-    one ``pipe`` (a single or multipart upload, which only becomes visible once complete); any other remote
-    filesystem a write to ``NAME.tmp`` followed by a move.
-    """
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not accept storage_options")
-        buffer = io.BytesIO()
-        torch.save(checkpoint, buffer)
-        write_atomic(str(path), buffer.getbuffer())
-
-
-def write_atomic(path: str, data: bytes | memoryview) -> None:
-    """Writes ``data`` to ``path`` (a local path or an fsspec URL) so that readers see the old or the new
-    content, never a part of it, even when the writing process is killed.
-
-    Raises:
-        OSError: the write failed; the previous content of ``path`` is intact.
-    """
-    fs, fs_path = url_to_fs(path)
-    if isinstance(fs, LocalFileSystem):
-        _write_atomic_local(fs_path, data)
-        return
-    parent = fs._parent(fs_path)
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    if _is_object_storage(fs):
-        fs.pipe_file(fs_path, bytes(data))
-    else:
-        tmp = fs_path + ".tmp"
-        fs.pipe_file(tmp, bytes(data))
-        fs.mv(tmp, fs_path)
-
-
-def _write_atomic_local(path: str, data: bytes | memoryview) -> None:
-    directory, name = os.path.split(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; a checkpoint gets the usual file mode
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
-    # Leftovers of writers of the same file that were killed mid-write (only one process writes a path).
-    for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*.tmp")):
-        with contextlib.suppress(OSError):
-            os.remove(stale)
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it (``os.umask`` sets it, racing other threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
-    """:class:`AtomicCheckpointIO` in a background thread (Lightning's ``AsyncCheckpointIO``).
-
-    The checkpoint's tensors are cloned on the training thread (a point-in-time copy, so RNG, dataloader and
-    optimizer states stay consistent); serialization and the write happen in the thread while training goes
-    on. See the README ("Fault tolerance") for when not to use it.
-
-    Args:
-        checkpoint_io: the IO that does the writing; defaults to :class:`AtomicCheckpointIO`.
-    """
-
-    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
-        super().__init__(checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO())
-
-
 RESUME_AUTO = "lit-ddp:resume-auto"
-"""``ckpt_path`` value that :class:`AgreedResumeConnector` replaces with the agreed resume checkpoint."""
-
-
-class ResumePointError(RuntimeError):
-    """The ranks cannot all resume from the checkpoint rank zero chose (the run directory is not shared)."""
+"""``ckpt_path`` value that :func:`resume_from_agreed_checkpoint` replaces with the agreed resume checkpoint."""
 
 
 def agree_on_resume_checkpoint(trainer: Any, root_dir: str, checkpoint_dir: str) -> str | None:
@@ -366,19 +235,15 @@ def agree_on_resume_checkpoint(trainer: Any, root_dir: str, checkpoint_dir: str)
     return path
 
 
-class AgreedResumeConnector(_CheckpointConnector):
-    """Lightning's checkpoint connector, resolving ``ckpt_path=RESUME_AUTO`` once the process group exists:
-    rank zero picks the checkpoint and every rank resumes from the same one (:func:`agree_on_resume_checkpoint`).
-    Lightning's own choice (``ckpt_path="last"`` / ``"hpc"``) is per rank and by file name or time."""
+def resume_from_agreed_checkpoint(trainer: Trainer, checkpoint_dir: str) -> None:
+    """Makes ``trainer.fit(ckpt_path=RESUME_AUTO)`` resume from the checkpoint the ranks agree on once the
+    process group exists (:func:`agree_on_resume_checkpoint`); Lightning's own choice (``ckpt_path="last"`` /
+    ``"hpc"``) is per rank and by file name or time."""
 
-    def __init__(self, trainer: Any, checkpoint_dir: str) -> None:
-        super().__init__(trainer)
-        self.checkpoint_dir = checkpoint_dir
+    def resolve() -> str | None:
+        path = agree_on_resume_checkpoint(trainer, trainer.default_root_dir, checkpoint_dir)
+        if path is not None:
+            rank_zero_info(f"Resuming from {path}")
+        return path
 
-    def resume_start(self, checkpoint_path: _PATH | None = None, weights_only: bool | None = None) -> None:
-        if checkpoint_path == RESUME_AUTO:
-            root = self.trainer.default_root_dir
-            checkpoint_path = agree_on_resume_checkpoint(self.trainer, root, self.checkpoint_dir)
-            if checkpoint_path is not None:
-                rank_zero_info(f"Resuming from {checkpoint_path}")
-        super().resume_start(checkpoint_path, weights_only)
+    compat.install_resume_resolver(trainer, RESUME_AUTO, resolve)

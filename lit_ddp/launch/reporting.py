@@ -1,10 +1,12 @@
 """How a failure reaches the user: once, from the rank it happened on, with its cause in the last lines.
 
-- Before any process starts (parsing, :mod:`lit_ddp.preflight`, instantiation), a mistake is the same on every
+- Before any process starts (parsing, :mod:`lit_ddp.launch.preflight`, instantiation), a mistake is the same on every
   rank: one ``lit-ddp: error: ...`` line from rank zero, exit status 2.
-- Once ``fit`` runs, the rank that raised prints its own message, tagged with its rank and host: a known
-  user-facing error (a bad value, a bad data file, a non-finite loss) as one line; anything else with its
-  traceback first and the one-line summary last. Exit status 1 (2 for bad values).
+- Once ``fit`` runs, the rank that raised prints its own message, tagged with its rank and host: a
+  :class:`~lit_ddp.launch.errors.LitDDPError` (a non-finite loss, an unreadable resume point) or a bad value
+  that lit_ddp's own checks found (a data file too short for ``block_size``) as one line; anything else, a
+  ``ValueError`` from torch included, with its traceback first and the one-line summary last. Exit status:
+  the error's ``exit_code`` (2 for bad values, 1 otherwise).
 - A rank that only sees its connection to another rank break (gloo "Connection closed by peer", NCCL's
   remote-process errors) says so in one line instead of a traceback of its own, and exits 1 at once: the
   rank that failed has printed the cause. No rank waits for the collective timeout.
@@ -27,22 +29,16 @@ from typing import Any, NoReturn
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lit_ddp.callbacks.finite_loss import NonFiniteLossError
-from lit_ddp.callbacks.preemption import Preempted
-from lit_ddp.checkpointing import NoValidCheckpointError, ResumePointError
-from lit_ddp.preflight import UsageError
+import lit_ddp
+from lit_ddp import compat
+from lit_ddp.launch.errors import LitDDPError, Preempted, UsageError
 
-USAGE_EXIT_CODE = 2
-FAILURE_EXIT_CODE = 1
-USAGE_ERRORS = (
-    UsageError,
-    ResumePointError,
-    MisconfigurationException,
-    ValueError,
-    FileNotFoundError,
-    IsADirectoryError,
-)
-FAILURES = (NonFiniteLossError, NoValidCheckpointError)
+USAGE_EXIT_CODE = UsageError.exit_code
+FAILURE_EXIT_CODE = LitDDPError.exit_code
+# Errors of a bad value that a constructor (ours, Lightning's, jsonargparse's) raises while the config is
+# instantiated, before any process starts; once training runs, only those raised by lit_ddp's own checks.
+CONFIG_ERRORS = (MisconfigurationException, ValueError, FileNotFoundError, IsADirectoryError)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(lit_ddp.__file__))
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -76,15 +72,38 @@ def report(fn: Callable[[], Any]) -> Any:
         release_process_group()
         if _rank() == 0:
             print(f"lit-ddp: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + e.signum) from None
+        raise SystemExit(e.exit_code) from None
     except BaseException as e:  # noqa: BLE001 - every failure gets a message and a status
         if isinstance(e, SystemExit | KeyboardInterrupt):
             raise
         if not _state["running"]:
-            if isinstance(e, USAGE_ERRORS + FAILURES):
-                _exit_once(e, FAILURE_EXIT_CODE if isinstance(e, FAILURES) else USAGE_EXIT_CODE)
+            if isinstance(e, (LitDDPError, *CONFIG_ERRORS)):
+                _exit_once(e, exit_code(e))
             raise
         _exit_from_rank(e)
+
+
+def exit_code(e: BaseException) -> int:
+    """The exit status for ``e``: its own for :class:`LitDDPError`, 2 for a bad configured value, else 1."""
+    if isinstance(e, LitDDPError):
+        return e.exit_code
+    return USAGE_EXIT_CODE if isinstance(e, CONFIG_ERRORS) else FAILURE_EXIT_CODE
+
+
+def is_explained(e: BaseException) -> bool:
+    """Whether ``e`` is printed as one line: a :class:`LitDDPError`, or a bad value that lit_ddp's own argument
+    checks raised (its innermost frame is in this package). A ``ValueError`` from torch or another library
+    keeps its traceback: it is a failure, not a mistake in the input."""
+    if isinstance(e, LitDDPError):
+        return True
+    if not isinstance(e, ValueError | FileNotFoundError | IsADirectoryError):
+        return False
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep)
 
 
 def _rank() -> int:
@@ -134,13 +153,13 @@ def _exit_from_rank(e: BaseException) -> NoReturn:
             file=sys.stderr,
             flush=True,
         )
-        os._exit(FAILURE_EXIT_CODE)  # nothing left to clean up that would not wait on the dead peer
-    if isinstance(e, USAGE_ERRORS + FAILURES):
+        compat.exit_now(FAILURE_EXIT_CODE)  # nothing left to clean up that would not wait on the dead peer
+    if is_explained(e):
         message = _message(e)
         if not _same_as_rank_zero(message):
             print(f"lit-ddp: error: {where}: {message}", file=sys.stderr, flush=True)
         release_process_group()
-        raise SystemExit(USAGE_EXIT_CODE if isinstance(e, USAGE_ERRORS) else FAILURE_EXIT_CODE)
+        raise SystemExit(exit_code(e))
     release_process_group()
     traceback.print_exception(e, file=sys.stderr)
     print(f"lit-ddp: error: {where} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -162,9 +181,7 @@ def _same_as_rank_zero(message: str, timeout: float = 3.0) -> bool:
         return False
     key = "lit_ddp/error/rank0"
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        store = _get_default_store()
+        store = compat.default_store()
         if dist.get_rank() == 0:
             store.set(key, message)
             deadline = time.monotonic() + timeout

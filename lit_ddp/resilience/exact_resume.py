@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_ddp import compat
 
 CHECKPOINT_KEY = "exact_resume"
 
@@ -65,10 +65,9 @@ class ExactResume(Callback):
         self._purge_step: int | None = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        combined_loader = trainer.fit_loop._combined_loader
         local = {
-            "rng": _rng_states_to_tensors(_collect_rng_states(include_cuda=torch.cuda.is_available())),
-            "train_loaders": combined_loader._state_dicts() if combined_loader is not None else [],
+            "rng": _rng_states_to_tensors(compat.collect_rng_states(include_cuda=torch.cuda.is_available())),
+            "train_loaders": compat.train_loader_states(trainer),
         }
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             per_rank: list[Any] = [None] * dist.get_world_size()
@@ -103,59 +102,37 @@ class ExactResume(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         fit_loop = trainer.fit_loop
-        combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
-        if combined_loader is not None and any(
+        if any(
             isinstance(getattr(getattr(dl, "batch_sampler", None), "sampler", None), DistributedSamplerWrapper)
             or isinstance(getattr(dl, "sampler", None), DistributedSamplerWrapper)
-            for dl in combined_loader.flattened
+            for dl in compat.train_loaders(trainer)
         ):
             rank_zero_warn(
                 "Lightning wrapped a train sampler in DistributedSamplerWrapper, whose inner sampler's random "
                 "state is in no checkpoint: a resume will not draw the same samples. Give the train loader "
                 "`sampler=lit_ddp.data.samplers.resumable_sampler(dataset)`."
             )
-        if self._loader_states and fit_loop.restarted_mid_epoch and combined_loader is not None and fetcher is not None:
-            for dl in combined_loader.flattened:
-                _set_sampler_epoch(dl, fit_loop.epoch_progress.current.processed)
-            combined_loader._load_state_dicts(self._loader_states)
-            fit_loop._combined_loader_states_to_load = []
-            iter(fetcher)  # a fresh iterator from the restored position (draws from the RNGs: before the restore)
+        if self._loader_states and fit_loop.restarted_mid_epoch:
+            # draws from the RNGs while the iterator is built: before their restore below
+            compat.restore_train_loaders(trainer, self._loader_states, fit_loop.epoch_progress.current.processed)
         self._loader_states = None
         if self._purge_pending:
-            self._purge_step = _first_logged_step(trainer)
+            self._purge_step = compat.first_logged_step(trainer)
             _purge_tensorboard_from(trainer, self._purge_step)
             self._purge_pending = False
         if self._rng_states is not None:
-            _set_rng_states(_rng_states_from_tensors(self._rng_states))
+            compat.set_rng_states(_rng_states_from_tensors(self._rng_states))
             self._rng_states = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._purge_step is not None:
-            actual = trainer.fit_loop.epoch_loop._batches_that_stepped
+            actual = compat.batches_that_stepped(trainer)
             if actual != self._purge_step:
                 rank_zero_warn(
                     f"Resumed run logs from step {actual}, TensorBoard was told {self._purge_step}: "
                     "some steps may show twice or be missing."
                 )
             self._purge_step = None
-
-
-def _first_logged_step(trainer: Trainer) -> int:
-    """The step at which a resumed run logs first, known at ``on_train_start``.
-
-    Lightning adds 1 to the restored ``_batches_that_stepped`` in ``TrainingEpochLoop.reset`` (after
-    ``on_train_start``, before the first batch; other callbacks log there already) under this condition,
-    copied from it; ``on_train_batch_start`` checks the prediction.
-    """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    step = epoch_loop._batches_that_stepped
-    if (
-        epoch_loop.restarting
-        and not epoch_loop._should_accumulate()
-        and (epoch_loop.restarted_on_train_batch_end or not epoch_loop.restarted_on_last)
-    ):
-        step += 1
-    return step
 
 
 def _rng_states_to_tensors(states: dict[str, Any]) -> dict[str, Any]:
@@ -185,9 +162,7 @@ def _purge_tensorboard_from(trainer: Trainer, step: int) -> None:
         if not isinstance(logger, TensorBoardLogger):
             continue
         writer = logger.experiment
-        get_file_writer = getattr(writer, "_get_file_writer", None)
-        if get_file_writer is None:
-            rank_zero_warn(f"Cannot mark the restart in {type(writer).__name__}: duplicate steps may show.")
-            continue
-        get_file_writer().add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+        compat.tensorboard_file_writer(writer).add_event(
+            Event(step=step, session_log=SessionLog(status=SessionLog.START))
+        )
         writer.flush()

@@ -9,7 +9,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_ddp.callbacks.deferred import DeferredFlag
+from lit_ddp.resilience.deferred import DeferredFlag
 
 
 class PeriodicCheckpoint(ModelCheckpoint):

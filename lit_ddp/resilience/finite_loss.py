@@ -8,11 +8,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lit_ddp.launch.errors import NonFiniteLossError
+
 _NO_STEP = 2**62  # "no bad step seen" in the step slot of the flags
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss (or a parameter about to be checkpointed) became NaN or infinite."""
 
 
 class FiniteLossGuard(Callback):

@@ -1,0 +1,207 @@
+"""Every use of Lightning's and torch's private internals, in one place.
+
+Lightning 2.6 and torch 2.9-2.13 have no public API for these; each function names what it works around
+(an upstream issue or PR where there is one) and ``tests/unit/test_compat.py`` checks that the internal is
+still there and, where it works around a bug, that the bug still is: the day an upgrade changes one, a test
+says which workaround to revisit or remove. ``pyproject.toml`` pins ``lightning`` to the tested minor version
+for this reason. Nothing else in the package touches another object's ``_private`` attribute.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import _is_object_storage
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+# ---- the training loop's position
+
+
+def should_accumulate(trainer: Trainer) -> bool:
+    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it).
+
+    Lightning decides this in ``TrainingEpochLoop._should_accumulate`` and exposes no public flag.
+    """
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def should_update_logs(trainer: Trainer) -> bool:
+    """Whether the logger writes this step (``trainer.log_every_n_steps``, or the last step): Lightning's own
+    decision, which callbacks that time or sync only logged steps must follow exactly."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
+def batches_that_stepped(trainer: Trainer) -> int:
+    """The step the logger writes under: Lightning's count of batches that stepped an optimizer."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def first_logged_step(trainer: Trainer) -> int:
+    """The step at which a resumed run logs first, known at ``on_train_start``.
+
+    Lightning adds 1 to the restored ``_batches_that_stepped`` in ``TrainingEpochLoop.reset`` (after
+    ``on_train_start``, before the first batch) under this condition, copied from it; the caller checks the
+    prediction at the first batch.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    step = int(epoch_loop._batches_that_stepped)
+    if (
+        epoch_loop.restarting
+        and not epoch_loop._should_accumulate()
+        and (epoch_loop.restarted_on_train_batch_end or not epoch_loop.restarted_on_last)
+    ):
+        step += 1
+    return step
+
+
+def disable_sigterm_broadcast(trainer: Trainer) -> bool:
+    """Turns off Lightning's blocking per-step SIGTERM broadcast for this trainer; returns whether it was there.
+
+    Since Lightning 2.6 the training loop broadcasts rank zero's "SIGTERM received" flag before every step
+    and reads it on the CPU (``_broadcast_sigterm_tensor``, Lightning PR 20825): a blocking collective per step
+    (Lightning issue 21487; PR 21640 proposes an interval). Only called while our own handler owns SIGTERM,
+    when Lightning's flag can never be set.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        return False
+    epoch_loop._broadcast_sigterm_tensor = _no_sigterm_broadcast
+    return True
+
+
+def _no_sigterm_broadcast() -> None:
+    """Stands in for Lightning's per-step SIGTERM broadcast."""
+
+
+# ---- train loader state per rank (Lightning restores rank zero's on every rank)
+
+
+def train_loader_states(trainer: Trainer) -> list[dict[str, Any]]:
+    """This rank's ``state_dict()`` of every train loader (``StatefulDataLoader``), as Lightning saves rank zero's."""
+    combined_loader = trainer.fit_loop._combined_loader
+    return combined_loader._state_dicts() if combined_loader is not None else []
+
+
+def train_loaders(trainer: Trainer) -> list[Any]:
+    """The train DataLoaders of the fit loop (empty before they exist)."""
+    combined_loader = trainer.fit_loop._combined_loader
+    return list(combined_loader.flattened) if combined_loader is not None else []
+
+
+def restore_train_loaders(trainer: Trainer, states: list[dict[str, Any]], epoch: int) -> bool:
+    """Rebuilds the train loader iterator of a mid-epoch resume from ``states`` with the samplers at ``epoch``.
+
+    Lightning rebuilds the iterator before it sets the sampler's epoch, so the rest of the epoch comes from
+    epoch 0's permutation, and skips the loader state altogether when ``trainer.estimated_stepping_batches``
+    was read before the restore (Lightning issue 20550). Returns whether there was a loader to restore.
+    """
+    fit_loop = trainer.fit_loop
+    combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+    if combined_loader is None or fetcher is None:
+        return False
+    for dl in combined_loader.flattened:
+        _set_sampler_epoch(dl, epoch)
+    combined_loader._load_state_dicts(states)
+    fit_loop._combined_loader_states_to_load = []
+    iter(fetcher)  # a fresh iterator from the restored position
+    return True
+
+
+# ---- RNG states (Lightning's helpers are private functions)
+
+
+def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
+    """torch, numpy, Python (and CUDA) RNG states of this process: Lightning's ``_collect_rng_states``."""
+    return _collect_rng_states(include_cuda=include_cuda)
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restores what :func:`collect_rng_states` returned: Lightning's ``_set_rng_states``."""
+    _set_rng_states(states)
+
+
+# ---- checkpoints
+
+
+def hpc_save_path(trainer: Trainer) -> str:
+    """``<default_root_dir>/hpc_ckpt_N.ckpt`` with the next free N: the name Lightning's Slurm handler saves to."""
+    return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+
+
+def install_resume_resolver(trainer: Trainer, marker: str, resolve: Callable[[], str | None]) -> None:
+    """Makes ``trainer.fit(ckpt_path=marker)`` resume from ``resolve()``, called once the process group exists.
+
+    Lightning resolves ``ckpt_path`` in its private checkpoint connector (``resume_start``) and offers no
+    hook between "the process group exists" and "the checkpoint is read"; its own choices (``"last"``,
+    ``"hpc"``) are made per rank, by file name or time.
+    """
+
+    class _ResolvingConnector(_CheckpointConnector):
+        def resume_start(self, checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            if checkpoint_path == marker:
+                checkpoint_path = resolve()
+            super().resume_start(checkpoint_path, weights_only)
+
+    trainer._checkpoint_connector = _ResolvingConnector(trainer)
+
+
+def wait_for_async_writes(checkpoint_io: Any) -> None:
+    """Blocks until every write of Lightning's ``AsyncCheckpointIO`` in flight is on disk; re-raises a write's
+    error. Lightning waits only in ``teardown`` (its executor and error are private)."""
+    executor = getattr(checkpoint_io, "_executor", None)
+    if executor is None:
+        return
+    executor.submit(lambda: None).result()  # one worker, FIFO: every earlier write has finished
+    if checkpoint_io._error is not None:
+        raise checkpoint_io._error
+
+
+def is_object_storage(fs: Any) -> bool:
+    """Whether an fsspec filesystem is an object store (s3, gs, az...): Lightning's own test."""
+    return bool(_is_object_storage(fs))
+
+
+# ---- process groups
+
+
+def process_group_settings(strategy: Any) -> tuple[str, timedelta]:
+    """The backend and timeout a DDP strategy will create its process group with."""
+    return strategy._get_process_group_backend(), strategy._timeout
+
+
+def default_store() -> Any:
+    """The default process group's store (torch's ``_get_default_store``): a key-value exchange that works
+    while collectives cannot (a peer died)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("no default process group")
+    return _get_default_store()
+
+
+def exit_now(code: int) -> None:
+    """Ends the process at once (``os._exit``), without the interpreter's cleanup, which would wait on a dead
+    peer's collectives or join gloo's threads."""
+    os._exit(code)
+
+
+# ---- TensorBoard
+
+
+def tensorboard_file_writer(summary_writer: Any) -> Any:
+    """The ``FileWriter`` behind torch's ``SummaryWriter``, for events it has no method for (an HParams summary
+    without values, a ``SessionLog.START`` purge marker)."""
+    return summary_writer._get_file_writer()
+
+
+def flatten_hparams(params: Any) -> dict[str, Any]:
+    """Hyperparameters flattened as Lightning's loggers do it (``_convert_params`` + ``_flatten_dict``)."""
+    return _flatten_dict(_convert_params(params))

@@ -1,0 +1,76 @@
+"""What the launcher decides: under torchrun, the process layout comes from torchrun, not from the config."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+
+def config_value(config: Any, key: str, default: Any = None) -> Any:
+    """``config[key]`` of a dict or a Namespace, else ``default``."""
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def leading_int(value: str | None) -> int | None:
+    """The leading count of a Slurm task list such as ``2``, ``2(x3)`` or ``2,1``."""
+    match = re.match(r"\s*(\d+)", value or "")
+    return int(match.group(1)) if match else None
+
+
+def devices_per_node(devices: Any) -> int | None:
+    """``trainer.devices`` as a process count, or ``None`` where only the accelerator can tell (``auto``, -1)."""
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    if isinstance(devices, str):
+        devices = devices.strip()
+        if "," in devices:
+            return len([d for d in devices.split(",") if d.strip()])
+        if not re.fullmatch(r"\d+", devices):
+            return None
+        devices = int(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    return None
+
+
+def follow_torchrun(trainer: Any, env: Mapping[str, str] | None = None) -> str | None:
+    """Under torchrun, sets ``trainer.devices`` to the processes torchrun started on this node
+    (``LOCAL_WORLD_SIZE``, its ``--nproc_per_node``) and ``trainer.num_nodes`` to ``WORLD_SIZE //
+    LOCAL_WORLD_SIZE`` where the config says otherwise: the launcher decides the layout, as ``slurm/*.sbatch``
+    pass Slurm's. A run started with ``--nproc_per_node 2`` therefore resumes under ``--nproc_per_node 1``
+    with the same command (Lightning alone would raise that ``devices * num_nodes`` is not the world size).
+
+    Args:
+        trainer: the ``trainer`` section of the parsed config (a Namespace or a dict), changed in place.
+        env: the environment; defaults to ``os.environ``.
+
+    Returns:
+        A line saying what changed, or None (not under torchrun, or the config already matches).
+    """
+    env = os.environ if env is None else env
+    local, world = leading_int(env.get("LOCAL_WORLD_SIZE")), leading_int(env.get("WORLD_SIZE"))
+    if "TORCHELASTIC_RUN_ID" not in env or not local or not world:
+        return None
+    changes = []
+    devices = config_value(trainer, "devices")
+    if devices_per_node(devices) != local:  # "auto" and -1 count here: only torchrun knows
+        changes.append(f"trainer.devices={devices} -> {local}")
+        _set(trainer, "devices", local)
+    nodes = max(1, world // local)
+    if int(config_value(trainer, "num_nodes", 1) or 1) != nodes:
+        changes.append(f"trainer.num_nodes={config_value(trainer, 'num_nodes', 1)} -> {nodes}")
+        _set(trainer, "num_nodes", nodes)
+    if not changes:
+        return None
+    return f"torchrun started {local} process(es) per node on {nodes} node(s): " + ", ".join(changes)
+
+
+def _set(config: Any, key: str, value: Any) -> None:
+    if isinstance(config, dict):
+        config[key] = value
+    else:
+        setattr(config, key, value)

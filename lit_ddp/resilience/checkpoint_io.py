@@ -1,0 +1,145 @@
+"""Checkpoints that appear whole or not at all: atomic writes, synchronous or in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import os
+import posixpath
+import tempfile
+from typing import Any
+
+import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from typing_extensions import override
+
+from lit_ddp import compat
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` checkpoints that appear whole or not at all, locally and in object stores.
+
+    Lightning's own save (``_atomic_save``) goes through an fsspec transaction. For a local path that
+    transaction writes to ``tempfile.mkstemp()`` (in ``$TMPDIR``, not beside the target) and then
+    ``shutil.move``s it: a rename when ``$TMPDIR`` is on the target's filesystem, but a plain copy onto the
+    target when it is not (``/tmp`` on tmpfs, a network run directory), and a process killed during that
+    copy leaves a truncated checkpoint in place of the previous one (``tests/test_fault_tolerance_atomic.py``
+    shows it). It also never fsyncs, and a killed writer leaks its temporary file in ``$TMPDIR``.
+
+    Here a local file is written to a hidden temporary file in the target's own directory
+    (``.NAME.XXXX.tmp``, which no ``*.ckpt`` glob matches), fsynced, and renamed over the target with
+    ``os.replace`` (atomic on POSIX); the directory is fsynced too. Temporary files left by killed writers of
+    the same target are removed by the next successful save. An object store (``s3://``, ``gs://``, ...) gets
+    one ``pipe`` (a single or multipart upload, which only becomes visible once complete); any other remote
+    filesystem a write to ``NAME.tmp`` followed by a move.
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not accept storage_options")
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        write_atomic(str(path), buffer.getbuffer())
+
+
+def write_atomic(path: str, data: bytes | memoryview) -> None:
+    """Writes ``data`` to ``path`` (a local path or an fsspec URL) so that readers see the old or the new
+    content, never a part of it, even when the writing process is killed.
+
+    Raises:
+        OSError: the write failed; the previous content of ``path`` is intact.
+    """
+    fs, fs_path = url_to_fs(path)
+    if isinstance(fs, LocalFileSystem):
+        _write_atomic_local(fs_path, data)
+        return
+    parent = posixpath.dirname(fs_path.rstrip("/"))
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    if compat.is_object_storage(fs):
+        fs.pipe_file(fs_path, bytes(data))
+    else:
+        tmp = fs_path + ".tmp"
+        fs.pipe_file(tmp, bytes(data))
+        fs.mv(tmp, fs_path)
+
+
+def _write_atomic_local(path: str, data: bytes | memoryview) -> None:
+    directory, name = os.path.split(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; a checkpoint gets the usual file mode
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
+    # Leftovers of writers of the same file that were killed mid-write (only one process writes a path).
+    for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*.tmp")):
+        with contextlib.suppress(OSError):
+            os.remove(stale)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
+    """:class:`AtomicCheckpointIO` in a background thread (Lightning's ``AsyncCheckpointIO``).
+
+    The checkpoint's tensors are cloned on the training thread (a point-in-time copy, so RNG, dataloader and
+    optimizer states stay consistent); serialization and the write happen in the thread while training goes
+    on. See the README ("Fault tolerance") for when not to use it.
+
+    Args:
+        checkpoint_io: the IO that does the writing; defaults to :class:`AtomicCheckpointIO`.
+    """
+
+    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
+        super().__init__(checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO())
+
+
+def wait_for_checkpoint_writes(checkpoint_io: CheckpointIO | None) -> None:
+    """Blocks until an asynchronous checkpoint write in flight is on disk (a no-op for synchronous IO).
+
+    Raises:
+        BaseException: the error of a failed asynchronous write.
+    """
+    while checkpoint_io is not None and not isinstance(checkpoint_io, AsyncCheckpointIO):
+        checkpoint_io = getattr(checkpoint_io, "checkpoint_io", None)
+    if checkpoint_io is not None:
+        compat.wait_for_async_writes(checkpoint_io)

@@ -1,0 +1,119 @@
+"""The LightningCLI hooks that install the resilience layer: the door between the tutorial and the machinery.
+
+Layout of a run directory (``trainer.default_root_dir``)::
+
+    <root>/config.yaml                 the resolved config of the last launch
+    <root>/hparams.yaml, events.out.*  TensorBoard logs (one log, continued across restarts)
+    <root>/checkpoints/*.ckpt          checkpoint files, plus last.ckpt
+    <root>/hpc_ckpt_N.ckpt             the preemption checkpoint
+
+Re-running the same command resumes from the valid checkpoint with the highest step there, the same one on
+every rank (:func:`lit_ddp.resilience.resume.agree_on_resume_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_ddp import compat
+from lit_ddp.launch.environment import follow_torchrun
+from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, run_preflight
+from lit_ddp.launch.reporting import mark_running
+from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
+from lit_ddp.resilience.elastic import init_process_group_on_shared_store
+from lit_ddp.resilience.exact_resume import ExactResume
+from lit_ddp.resilience.finite_loss import FiniteLossGuard
+from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
+from lit_ddp.resilience.preemption import PreemptionCheckpoint
+from lit_ddp.resilience.resume import RESUME_AUTO, check_resumable, resume_from_agreed_checkpoint
+
+DEFAULT_ROOT_DIR = "runs/default"
+
+
+def checkpoint_dir(root_dir: str | None) -> str:
+    """``<root_dir>/checkpoints``: where the checkpoint callback writes."""
+    root = str(root_dir or DEFAULT_ROOT_DIR)
+    return root.rstrip("/") + "/checkpoints"
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+
+
+class ResilientCLI(LightningCLI):
+    """LightningCLI with runs that survive kills, preemption and restarts.
+
+    - ``checkpoint.*`` configures a ModelCheckpoint (:class:`PeriodicCheckpoint`, which also takes
+      ``every_n_train_steps`` and ``train_time_interval`` together) writing to
+      ``<trainer.default_root_dir>/checkpoints``; the tutorial's ``save_every`` is ``checkpoint.every_n_epochs``.
+    - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank).
+    - Every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint` (``trainer_defaults``), and
+      writes every checkpoint
+      atomically (:class:`AtomicCheckpointIO`) unless ``trainer.plugins`` names another ``CheckpointIO``.
+    - Before anything is instantiated: the launch, the machine and ``--ckpt_path`` are checked
+      (:mod:`lit_ddp.launch.preflight`), and under torchrun the layout follows torchrun.
+    - ``fit`` without ``--ckpt_path`` resumes from the newest valid checkpoint of the run directory, the same on
+      every rank; under torchrun the process group lives on torchrun's shared store (:mod:`.elastic`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a restart rewrites config.yaml
+        # A NaN/inf loss stops training with a message naming the step; the last good checkpoint is kept.
+        # A preemption signal saves, requeues (Slurm) and stops at an agreed optimizer step, on every rank.
+        kwargs.setdefault("trainer_defaults", {"callbacks": [FiniteLossGuard(), PreemptionCheckpoint()]})
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.save_last": True,
+                "checkpoint.save_top_k": -1,
+                "checkpoint.every_n_epochs": 1,
+                "trainer.default_root_dir": DEFAULT_ROOT_DIR,
+            }
+        )
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
+        parser.add_lightning_class_args(ExactResume, "exact_resume")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI reads --ckpt_path's hyperparameters right after parsing: check the file first.
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            config = self.config[subcommand]
+            check_ckpt_path(config.get("ckpt_path"))
+            check_ckpt_matches_config(config.get("ckpt_path"), config.get("model"))
+
+    def before_instantiate_classes(self) -> None:
+        # Mis-launches, devices / precision this machine cannot run, a busy MASTER_PORT: one clear message and
+        # exit 2 before anything starts.
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
+            rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
+        run_preflight(config.get("trainer"))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        plugins = _as_list(trainer_config.get("plugins"))
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        return super().instantiate_trainer(**kwargs)
+
+    def before_fit(self) -> None:
+        mark_running()  # from here on, failures are reported by the rank they happen on
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DDPStrategy):  # torchrun's shared store: a prefix per restart (.elastic)
+            init_process_group_on_shared_store(*compat.process_group_settings(strategy))
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") is None:
+            # Resolved once every rank has joined: rank zero picks, every rank checks it can read the file.
+            root = self.trainer.default_root_dir
+            check_resumable(root, checkpoint_dir(root))  # before the logger writes anything
+            resume_from_agreed_checkpoint(self.trainer, checkpoint_dir(root))
+            config["ckpt_path"] = RESUME_AUTO
