@@ -1,0 +1,121 @@
+"""Every Lightning/torch internal that lit_ddp.compat uses is still there, and the upstream gaps it works around
+are still open. When an upgrade changes one, the test named after it fails and says which workaround to
+revisit (or delete, when the gap has closed upstream)."""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from torch.utils.tensorboard import SummaryWriter
+
+from lit_ddp import compat
+
+
+@pytest.fixture
+def trainer(tmp_path) -> Trainer:
+    return Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+
+
+def test_loop_position_internals(trainer: Trainer) -> None:
+    assert compat.should_accumulate(trainer) is False  # no accumulation configured
+    assert compat.batches_that_stepped(trainer) == 0
+    assert isinstance(compat.should_update_logs(trainer), bool)
+    assert compat.first_logged_step(trainer) == 0
+    # first_logged_step copies TrainingEpochLoop.reset's condition: it must still be there, word for word.
+    source = inspect.getsource(_TrainingEpochLoop.reset)
+    assert "self._batches_that_stepped += 1" in source
+    assert "restarted_on_train_batch_end or not self.restarted_on_last" in source
+
+
+def test_lightning_still_broadcasts_sigterm_before_every_step(trainer: Trainer) -> None:
+    """Lightning issue 21487 / PR 21640: a blocking broadcast per step. When it goes (or becomes an interval),
+    compat.disable_sigterm_broadcast can go."""
+    assert "_broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop)
+    assert compat.disable_sigterm_broadcast(trainer) is True
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is compat._no_sigterm_broadcast
+
+
+def test_train_loader_internals(trainer: Trainer) -> None:
+    """Per-rank loader states: Lightning saves rank zero's only and restores it on every rank, and rebuilds a
+    mid-epoch iterator before setting the sampler's epoch (Lightning issue 20550 for the skipped restore)."""
+    assert compat.train_loader_states(trainer) == [] and compat.train_loaders(trainer) == []
+    assert compat.restore_train_loaders(trainer, [], 0) is False  # nothing to restore before setup
+    fit_loop = trainer.fit_loop
+    assert hasattr(fit_loop, "_combined_loader_states_to_load") and hasattr(fit_loop, "_data_fetcher")
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    assert callable(CombinedLoader._state_dicts) and callable(CombinedLoader._load_state_dicts)
+
+
+def test_rng_state_helpers_roundtrip() -> None:
+    states = compat.collect_rng_states(include_cuda=False)
+    assert {"torch", "numpy", "python"} <= set(states)
+    expected = torch.rand(3)
+    compat.set_rng_states(states)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_checkpoint_connector_internals(trainer: Trainer) -> None:
+    assert compat.hpc_save_path(trainer).endswith("hpc_ckpt_1.ckpt")
+    assert list(inspect.signature(_CheckpointConnector.resume_start).parameters) == [
+        "self",
+        "checkpoint_path",
+        "weights_only",
+    ]
+    seen = []
+    compat.install_resume_resolver(trainer, "marker", lambda: seen.append(1) or None)
+    trainer._checkpoint_connector.resume_start("marker")
+    assert seen == [1]
+
+
+def test_async_checkpoint_io_has_no_public_wait(tmp_path) -> None:
+    """Lightning's AsyncCheckpointIO waits for its writes only in teardown; compat.wait_for_async_writes uses its
+    executor. A public wait (or flush) would replace it."""
+    assert not any(hasattr(AsyncCheckpointIO, name) for name in ("wait", "flush", "wait_for_writes"))
+    from lit_ddp.resilience.checkpoint_io import AsyncAtomicCheckpointIO
+
+    io = AsyncAtomicCheckpointIO()
+    io.save_checkpoint({"x": torch.zeros(2)}, tmp_path / "a.ckpt")
+    compat.wait_for_async_writes(io)
+    assert (tmp_path / "a.ckpt").exists()
+    io.teardown()
+
+
+def test_object_storage_test() -> None:
+    import fsspec
+
+    assert compat.is_object_storage(fsspec.filesystem("s3", anon=True)) is True
+    assert compat.is_object_storage(fsspec.filesystem("file")) is False
+
+
+def test_process_group_settings() -> None:
+    strategy = DDPStrategy(timeout=timedelta(minutes=5), process_group_backend="gloo")
+    assert compat.process_group_settings(strategy) == ("gloo", timedelta(minutes=5))
+
+
+def test_default_store_needs_a_group() -> None:
+    with pytest.raises(RuntimeError, match="no default process group"):
+        compat.default_store()
+
+
+def test_summary_writer_has_no_public_event_api(tmp_path) -> None:
+    """A purge marker and an HParams summary without values need the FileWriter: SummaryWriter has no public
+    method for either."""
+    writer = SummaryWriter(str(tmp_path))
+    try:
+        assert not hasattr(writer, "add_event")
+        assert hasattr(compat.tensorboard_file_writer(writer), "add_event")
+    finally:
+        writer.close()
+
+
+def test_flatten_hparams() -> None:
+    assert compat.flatten_hparams({"a": {"b": 1}}) == {"a/b": 1}
