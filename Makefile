@@ -25,6 +25,7 @@ train: venv
 lint: venv
 	$(BIN)/ruff check lit_ddp tests bench scripts
 	$(BIN)/ruff format --check lit_ddp tests bench scripts
+	$(BIN)/mypy
 
 format: venv
 	$(BIN)/ruff format lit_ddp tests bench scripts

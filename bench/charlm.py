@@ -1,14 +1,13 @@
 """Plain-PyTorch pieces shared by the GPT benchmarks: Tiny Shakespeare as token ids, nanoGPT-style random
-batches, the warmup + cosine learning rate, and a loss estimate. Only torch, numpy and the standard library:
-the loops that use them measure PyTorch, not this package's Lightning code.
+batches, and loss estimates. Only torch, numpy and the standard library: the loops that use them measure
+PyTorch, not this package's Lightning code. The optimizers and the learning-rate schedule are the job's own,
+:mod:`lit_ddp.recipe`.
 
 The text is the package's embedded copy (:func:`lit_ddp.data.sources.read_embedded_text`, sha256-checked;
 that module imports no Lightning, so the reference loop's start-up stays a plain PyTorch one's).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -50,17 +49,6 @@ def get_batch(
     x = torch.stack([data[i : i + block_size] for i in ix.tolist()])  # (B, T)
     y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix.tolist()])  # (B, T)
     return x, y
-
-
-def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, decay_steps: int) -> float:
-    """nanoGPT's ``get_lr``: linear warmup ``lr * (step + 1) / (warmup + 1)``, then a cosine from ``lr`` to
-    ``min_lr`` at ``decay_steps``, ``min_lr`` afterwards."""
-    if step < warmup:
-        return lr * (step + 1) / (warmup + 1)
-    if step > decay_steps:
-        return min_lr
-    ratio = (step - warmup) / max(1, decay_steps - warmup)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
 @torch.no_grad()

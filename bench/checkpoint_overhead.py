@@ -67,10 +67,9 @@ def run_variant(name: str, steps: int, every: int, root: Path, data: str | None)
     args = [
         *(arg for config in CONFIGS for arg in ("--config", str(REPO / config))),
         "--trainer.devices", "1", "--trainer.strategy", "auto",
-        "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+        "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",  # so the text samples are off too
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
-        "--model.init_args.sample_tokens", "0",
         "--trainer.default_root_dir", str(root / name),
         "--checkpoint.monitor", "step", "--checkpoint.mode", "max", "--checkpoint.save_top_k", "3",
         "--checkpoint.every_n_epochs", "0",

@@ -6,20 +6,21 @@ change what it learns per step):
 - training (default): ``--steps`` optimizer steps on Tiny Shakespeare (first 90% train, last 10% val) with
   ``--procs`` gloo processes of ``--threads`` threads each, ``--batch_size`` random windows per step over
   all processes (nanoGPT's ``get_batch``, each rank its own generator); warmup over ``--warmup`` steps,
-  then a cosine down to ``--min_lr_ratio`` x the peak at the last step, as the job's schedule; gradient
-  clipping at norm 1.0. Printed every ``--eval_every`` steps and at the end: the loss on the whole
-  validation split (all disjoint windows, as the job's ``val/loss``) and the wall seconds so far. One process with the global batch learns the same as DDP, so
-  exploring with ``--procs 1 --threads 1`` leaves a core to others;
-  A long run can be cut into pieces (``--pause_after`` seconds, then the same command again, with
-  ``--state`` holding model, optimizer and RNG states between them), so that no single run holds a
-  shared machine for long; the wall seconds add up over the pieces;
+  then a cosine down to ``--min_lr_ratio`` x the peak at the last step (the job's schedule,
+  :func:`lit_ddp.recipe.warmup_cosine_schedule`); gradient clipping at norm 1.0. Printed every
+  ``--eval_every`` steps and at the end: the loss on the whole validation split (all disjoint windows, as
+  the job's ``val/loss``) and the wall seconds so far. One process with the global batch learns the same
+  as DDP, so exploring with ``--procs 1 --threads 1`` leaves a core to others. A long run can be cut into
+  pieces (``--pause_after`` seconds, then the same command again, with ``--state`` holding model,
+  optimizer, schedule and RNG states between them), so that no single run holds a shared machine for
+  long; the wall seconds add up over the pieces;
 - ``--cost``: the wall time of one training step (forward, backward, clipping, optimizer) of the given
   recipe and of the baseline (gpt-nano, AdamW), alternated in one process with one thread at the
   per-process batch, so that load from other processes hits both alike; the ratio to the baseline turns
   the job's measured step time into an estimate for the recipe.
 
-Optimizers: ``adamw`` (minGPT's decay groups, ``--lr``) or ``muon`` (``torch.optim.Muon`` for the blocks'
-matrices at ``--muon_lr``, AdamW for the rest at ``--lr``; :func:`lit_ddp.models.gpt.muon_param_groups`).
+Optimizers, the job's (:func:`lit_ddp.recipe.build_optimizer`): ``adamw`` (minGPT's decay groups, ``--lr``) or
+``muon`` (``torch.optim.Muon`` for the blocks' matrices at ``--muon_lr``, AdamW for the rest at ``--lr``).
 On a CPU without bf16 units, ``torch.optim.Muon``'s bf16 Newton-Schulz is slow; ``--cost`` shows it.
 
     nice -n 10 .venv/bin/python -m bench.explore_recipe --procs 1 --steps 2000 --rope --activation relu2
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -45,7 +45,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.charlm import full_loss, get_batch, load_splits
 from bench.plain_ddp import free_port
-from lit_ddp.models.gpt import GPT, GPTConfig, adamw_param_groups, muon_param_groups
+from lit_ddp.models.gpt import GPT, GPTConfig
+from lit_ddp.recipe import build_optimizer, warmup_cosine_schedule
 
 
 def build(args: argparse.Namespace, vocab_size: int) -> GPT:
@@ -65,36 +66,27 @@ def build(args: argparse.Namespace, vocab_size: int) -> GPT:
     return GPT(config)
 
 
-def optimizers(args: argparse.Namespace, model: GPT) -> list[tuple[torch.optim.Optimizer, float]]:
-    """The optimizers with their peak learning rates."""
-    betas = (0.9, args.beta2)
-    if args.optimizer == "adamw":
-        return [(torch.optim.AdamW(adamw_param_groups(model, args.weight_decay), lr=args.lr, betas=betas), args.lr)]
-    hidden, others = muon_param_groups(model)
-    muon = torch.optim.Muon(hidden, lr=args.muon_lr, weight_decay=args.muon_wd, momentum=0.95)
-    keep = {id(p) for p in others}
-    groups = [
-        {**group, "params": [p for p in group["params"] if id(p) in keep]}
-        for group in adamw_param_groups(model, args.weight_decay)
-    ]
-    return [(muon, args.muon_lr), (torch.optim.AdamW(groups, lr=args.lr, betas=betas), args.lr)]
+def optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimizer:
+    """The job's optimizer (:func:`lit_ddp.recipe.build_optimizer`) with this run's settings."""
+    return build_optimizer(
+        model,
+        args.optimizer,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        betas=(0.9, args.beta2),
+        muon_learning_rate=args.muon_lr,
+        muon_weight_decay=args.muon_wd,
+    )
 
 
-def lr_factor(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup, then a cosine to ``min_lr_ratio`` at the last step (the job's ``warmup_cosine``)."""
-    if step < args.warmup:
-        return (step + 1) / (args.warmup + 1)
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.min_lr_ratio + 0.5 * (1 - args.min_lr_ratio) * (1 + math.cos(math.pi * progress))
-
-
-def train_step(net: torch.nn.Module, model: GPT, opts: list, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def train_step(
+    net: torch.nn.Module, model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     _, loss = net(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    for opt, _ in opts:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     return loss
 
 
@@ -107,15 +99,16 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     vocab, train, val = load_splits()
     model = build(args, len(vocab))
     net = DDP(model) if world > 1 else model
-    opts = optimizers(args, model)
+    opt = optimizer(args, model)
+    scheduler = warmup_cosine_schedule(opt, args.warmup, args.steps, args.min_lr_ratio)
     gen = torch.Generator().manual_seed(args.seed + rank)  # each rank its own windows
     curve: list[dict[str, float]] = []
     first, wall_before = 0, 0.0
     if args.state and args.state.is_file():  # a run paused by --pause_after: go on where it stopped
         state = torch.load(args.state, weights_only=False)
         model.load_state_dict(state["model"])
-        for (opt, _), opt_state in zip(opts, state["optimizers"], strict=True):
-            opt.load_state_dict(opt_state)
+        opt.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
         gen.set_state(state["generator"])
         torch.set_rng_state(state["rng"])
         first, wall_before, curve = state["step"], state["wall_s"], state["curve"]
@@ -124,7 +117,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     wall0 = time.perf_counter() - wall_before
     for step in range(first, args.steps + 1):
         if args.pause_after and step > first and time.perf_counter() - wall0 - wall_before > args.pause_after:
-            state = {"model": model.state_dict(), "optimizers": [opt.state_dict() for opt, _ in opts], "step": step}
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict()}
+            state["step"] = step
             state.update(generator=gen.get_state(), rng=torch.get_rng_state(), curve=curve)
             torch.save({**state, "wall_s": time.perf_counter() - wall0}, args.state)
             print(f"PAUSED at step {step}: run again with the same arguments to go on", flush=True)
@@ -135,10 +129,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             print(f"step {step:5d}  {curve[-1]['wall_s']:6.1f} s  val/loss {loss:.4f}", flush=True)
         if step == args.steps:
             break
-        for opt, peak in opts:
-            for group in opt.param_groups:
-                group["lr"] = peak * lr_factor(step, args)
-        train_step(net, model, opts, *get_batch(train, args.block_size, args.batch_size // world, gen))
+        train_step(net, model, opt, *get_batch(train, args.block_size, args.batch_size // world, gen))
+        scheduler.step()
     wall = time.perf_counter() - wall0
     if rank == 0:
         result = {
@@ -166,15 +158,15 @@ def step_cost(args: argparse.Namespace, rounds: int = 7, steps: int = 10) -> dic
     for name, a in (("recipe", args), ("baseline", base_args)):
         torch.manual_seed(a.seed)
         model = build(a, len(vocab))
-        runs[name] = (model, optimizers(a, model), get_batch(train, a.block_size, a.batch_size // a.procs))
+        runs[name] = (model, optimizer(a, model), get_batch(train, a.block_size, a.batch_size // a.procs))
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds):
         for name in list(runs)[:: 1 if r % 2 else -1]:  # which goes first alternates
-            model, opts, (x, y) = runs[name]
-            train_step(model, model, opts, x, y)  # warm
+            model, opt, (x, y) = runs[name]
+            train_step(model, model, opt, x, y)  # warm
             t0 = time.perf_counter()
             for _ in range(steps):
-                train_step(model, model, opts, x, y)
+                train_step(model, model, opt, x, y)
             times[name].append((time.perf_counter() - t0) / steps)
     cost = {name: statistics.median(t) for name, t in times.items()}
     cost["ratio"] = cost["recipe"] / cost["baseline"]
@@ -227,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--state/--pause_after need --procs 1 and a --state file")
     if args.batch_size % args.procs:
         p.error(f"--batch_size {args.batch_size} must be divisible by --procs {args.procs}")
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     if args.cost:
         cost = step_cost(args)
         print(

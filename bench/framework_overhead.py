@@ -3,11 +3,13 @@
 Both sides train the ``configs/mingpt/cpu.yaml`` model on the same batches per step (2 processes, gloo,
 32 windows of 64 characters each), validation and sampling off, for ``--steps`` steps:
 
-- plain: :mod:`bench.plain_ddp` (``DDP(model)``, ``DistributedSampler``, Muon/AdamW, clipping), with the
-  model sizes, GPT options, learning rate, context, batch and process count read from the same YAMLs;
-- Lightning: ``python -m lit_ddp fit`` with :class:`bench.step_timer.StepTimer` added to the callbacks,
-  in a fresh run directory (so nothing resumes), everything else as the job runs it (logging every
-  ``log_every_n_steps``, checkpoint callbacks, the NaN guard, the preemption agreement, the progress bar).
+- plain: :mod:`bench.plain_ddp` (``DDP(model)``, ``DistributedSampler``, the job's optimizer and schedule
+  from :mod:`lit_ddp.recipe`, clipping), with the model sizes, GPT options, learning rates and schedule,
+  context, batch and process count read from the same YAMLs;
+- Lightning: ``python -m lit_ddp fit`` with :class:`bench.step_timer.StepTimer` added to the callbacks (and
+  the YAMLs' text-sample callback left out), in a fresh run directory (so nothing resumes), everything else
+  as the job runs it (logging every ``log_every_n_steps``, the throughput monitor, checkpoint callbacks,
+  the NaN guard, the preemption agreement, the progress bar).
 
 The two run in turns of ``--slice_s`` seconds, both alive at once (:mod:`bench.turns`: this shared machine's
 speed drifts more than the effect measured); a round is a Lightning turn and the plain turn just before it.
@@ -46,7 +48,7 @@ def lightning_command(steps: int, warmup: int, json_path: Path, root: Path, extr
         "--trainer.max_steps", str(steps),
         "--trainer.val_check_interval", "100000",
         "--trainer.check_val_every_n_epoch", "null",  # else Lightning caps val_check_interval at an epoch
-        "--model.init_args.sample_tokens", "0",
+        f"--trainer.callbacks={json.dumps(job_callbacks(job_configs()))}",  # without the text samples
         "--trainer.callbacks+=bench.step_timer.StepTimer",
         f"--trainer.callbacks.init_args.path={json_path}",
         f"--trainer.callbacks.init_args.warmup_steps={warmup}",
@@ -64,9 +66,19 @@ def job_configs() -> list[Path]:
     return configs
 
 
+def job_callbacks(configs: list[Path]) -> list[dict[str, Any]]:
+    """``trainer.callbacks`` of the YAMLs (a later file's list replaces an earlier one's, as in jsonargparse)
+    without the text-sample callback: sampling is off, as on the plain side."""
+    callbacks: list[dict[str, Any]] = []
+    for path in configs:
+        trainer = (yaml.safe_load(path.read_text()) or {}).get("trainer") or {}
+        callbacks = trainer.get("callbacks", callbacks)
+    return [c for c in callbacks if not c["class_path"].endswith(".TextSampleCallback")]
+
+
 def plain_flags(configs: list[Path]) -> list[str]:
     """:mod:`bench.plain_ddp` flags for the work per step that the YAMLs configure: the model's sizes and
-    GPT options, the learning rate, the context and batch, the number of processes."""
+    GPT options, the optimizer, learning rates and schedule, the context and batch, the number of processes."""
     model: dict[str, Any] = {}
     data: dict[str, Any] = {}
     trainer: dict[str, Any] = {}
@@ -78,7 +90,8 @@ def plain_flags(configs: list[Path]) -> list[str]:
     flags: list[str] = []
     for key, flag in (("model_type", "--model_type"), ("n_layer", "--n_layer"), ("n_head", "--n_head"),
                       ("n_embd", "--n_embd"), ("learning_rate", "--lr"), ("optimizer", "--optimizer"),
-                      ("muon_learning_rate", "--muon_lr")):  # fmt: skip
+                      ("muon_learning_rate", "--muon_lr"), ("warmup_steps", "--lr_warmup_steps"),
+                      ("min_lr_ratio", "--min_lr_ratio")):  # fmt: skip
         if model.get(key) is not None:
             flags += [flag, str(model[key])]
     for key, flag in (("block_size", "--block_size"), ("batch_size", "--batch_size")):

@@ -1,12 +1,11 @@
 """Measures this CPU's fp32 matmul throughput, the peak that MFU is reported against on CPU.
 
-Prints the best FLOP/s over a few square sizes on stdout (one number, details on stderr), so it can feed
-the model directly. For DDP with P processes on this machine, measure with the threads one process gets
-(Lightning gives each ``cores // P``):
+Prints the best FLOP/s over a few square sizes on stdout (one number, details on stderr): the value of
+``available_flops`` of the ``TokenThroughputMonitor`` in ``configs/mingpt/cpu.yaml``'s ``trainer.callbacks``.
+For DDP with P processes on this machine, measure with the threads one process gets (Lightning gives each
+``cores // P``):
 
     python -m bench.matmul_peak --threads 1
-    lit-ddp fit --config configs/mingpt/cpu.yaml \
-        --model.init_args.available_flops "$(python -m bench.matmul_peak --threads 1)"
 
 A matmul of ``(n, n) @ (n, n)`` counts ``2 n^3`` FLOPs.
 """

@@ -15,6 +15,10 @@ recipe from its facts, with the model of :mod:`lit_ddp.models.gpt` (the same arc
 - seed 1337 before building the model; torch threads = ``os.cpu_count()`` (nanoGPT leaves torch's
   default, one thread per physical core).
 
+This file is the *reference*, so its recipe is nanoGPT's, written out here on purpose rather than taken from
+:mod:`lit_ddp.recipe` (the job's, which every other benchmark uses): nanoGPT's AdamW groups (decay by
+dimension, not minGPT's by module type) and nanoGPT's ``get_lr`` (:func:`get_lr`).
+
 Left out: nanoGPT's checkpoint writes on a new best val loss (milliseconds for this 0.8M-parameter model)
 and the extra training step it runs after the final evaluation. Times are wall-clock seconds since the
 process started (from ``/proc``, so interpreter start-up and imports count, as for a timed launch).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -33,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.charlm import cosine_lr, estimate_loss, get_batch, load_splits
+from bench.charlm import estimate_loss, get_batch, load_splits
 from lit_ddp.models.gpt import GPT, GPTConfig
 
 
@@ -50,6 +55,18 @@ def process_start_time() -> float:
 
 
 LAUNCH = process_start_time()
+
+
+def get_lr(it: int, learning_rate: float, min_lr: float, warmup_iters: int, lr_decay_iters: int) -> float:
+    """nanoGPT's ``train.py`` ``get_lr``: linear warmup ``learning_rate * (it + 1) / (warmup_iters + 1)``, then
+    a cosine from ``learning_rate`` to ``min_lr`` at ``lr_decay_iters``, ``min_lr`` afterwards."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)  # max: --max_iters <= warmup too
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # from 1 to 0
+    return min_lr + coeff * (learning_rate - min_lr)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -72,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=block_size, vocab_size=len(vocab), bias=False)
     model = GPT(config)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(  # nanoGPT's GPT.configure_optimizers: decay the 2-D tensors only
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -88,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     x, y = get_batch(train, block_size, batch_size)
     for it in range(args.max_iters + 1):
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(it, lr, min_lr, warmup, args.max_iters)
+            group["lr"] = get_lr(it, lr, min_lr, warmup, args.max_iters)
         if it % args.eval_interval == 0:
             train_loss = estimate_loss(model, train, block_size, batch_size, args.eval_iters)
             val_loss = estimate_loss(model, val, block_size, batch_size, args.eval_iters)

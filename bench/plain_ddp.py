@@ -4,10 +4,11 @@ The same work per step as ``configs/mingpt/cpu.yaml`` (its defaults are that fil
 written; :mod:`bench.framework_overhead` passes the file's current ones): the GPT of
 :mod:`lit_ddp.models.gpt` (``gpt-nano``, context 64, biases, dropout 0; ``--gpt KEY=VALUE`` for the other
 :class:`~lit_ddp.models.gpt.GPTConfig` fields), windows of 64 characters starting at every position of the first 90% of
-Tiny Shakespeare, shuffled by a ``DistributedSampler``, 32 windows per process and step, AdamW (lr 3e-3,
-betas (0.9, 0.95), minGPT's decay groups with weight decay 0.1) or ``--optimizer muon`` (``torch.optim.Muon``
-on the blocks' matrices, AdamW on the rest, as ``GPTModule`` builds them), warmup + cosine learning rate,
-gradient clipping at norm 1.0. No validation, logging or checkpoints: only training steps are timed.
+Tiny Shakespeare, shuffled by a ``DistributedSampler``, 32 windows per process and step, the job's optimizer
+and schedule from :mod:`lit_ddp.recipe` (the code ``GPTModule`` trains with: AdamW at ``--lr`` with minGPT's
+decay groups, or ``--optimizer muon``: ``torch.optim.Muon`` at ``--muon_lr`` on the blocks' matrices and AdamW
+on the rest; warmup over ``--lr_warmup_steps``, then a cosine to ``--min_lr_ratio`` x the peak at the last
+step), gradient clipping at norm 1.0. No validation, logging or checkpoints: only training steps are timed.
 
 Modes:
 
@@ -46,9 +47,10 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
-from bench.charlm import cosine_lr, load_splits
+from bench.charlm import load_splits
 from bench.matmul_peak import matmul_flops
-from lit_ddp.models.gpt import GPT, GPTConfig, adamw_param_groups, muon_param_groups
+from lit_ddp.models.gpt import GPT, GPTConfig
+from lit_ddp.recipe import build_optimizer, warmup_cosine_schedule
 
 
 class Windows(Dataset):
@@ -104,20 +106,6 @@ def peak_flops(threads: int) -> float:
         torch.set_num_threads(before)
 
 
-def plain_optimizers(model: GPT, args: argparse.Namespace) -> list[tuple[torch.optim.Optimizer, float]]:
-    """The optimizers with their peak learning rates: AdamW (minGPT's decay groups), or for ``--optimizer
-    muon`` ``torch.optim.Muon`` on the blocks' matrices and AdamW on the rest, as ``GPTModule`` builds them."""
-    groups = adamw_param_groups(model, 0.1)
-    if args.optimizer == "adamw":
-        return [(torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95)), args.lr)]
-    hidden, others = muon_param_groups(model)
-    keep = {id(p) for p in others}
-    groups = [{**g, "params": [p for p in g["params"] if id(p) in keep]} for g in groups]
-    muon = torch.optim.Muon(hidden, lr=args.muon_lr, momentum=0.95, weight_decay=0.0)
-    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95))
-    return [(muon, args.muon_lr), (adamw, args.lr)]
-
-
 def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, batch_size: int) -> dict[str, Any]:
     """Runs ``args.steps`` steps on this rank; returns rank zero's step times (seconds) and sizes."""
     torch.set_num_threads(threads)
@@ -132,7 +120,9 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed))
         net = model
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    optimizers = plain_optimizers(model, args)
+    # The job's recipe (GPTModule.configure_optimizers builds the same), its other settings at their defaults.
+    optimizer = build_optimizer(model, args.optimizer, learning_rate=args.lr, muon_learning_rate=args.muon_lr)
+    scheduler = warmup_cosine_schedule(optimizer, args.lr_warmup_steps, args.steps, args.min_lr_ratio)
 
     times: list[float] = []
     starts: list[float] = []
@@ -147,16 +137,12 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
         if last is not None:
             times.append(now - last)
         last = now
-        for optimizer, peak in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = cosine_lr(step, peak, 0.1 * peak, 100, args.steps)
         _, loss = net(x, y)
-        for optimizer, _ in optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for optimizer, _ in optimizers:
-            optimizer.step()
+        optimizer.step()
+        scheduler.step()
     return {
         "step_times": times[args.warmup :],
         "step_starts": starts,  # every step's start, CLOCK_MONOTONIC (system-wide) seconds
@@ -284,6 +270,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak learning rate")
+    parser.add_argument("--lr_warmup_steps", type=int, default=100, help="learning-rate warmup (optimizer steps)")
+    parser.add_argument("--min_lr_ratio", type=float, default=0.1, help="the cosine's floor, relative to the peak")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--peak_flops", type=float, default=None, help="FLOP/s of one process; default: measured")
     parser.add_argument("--no_mfu", dest="mfu", action="store_false", help="skip the matmul peak measurement")
@@ -294,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} + 1")
+    if args.steps <= args.lr_warmup_steps:
+        parser.error(f"--steps {args.steps} must exceed --lr_warmup_steps {args.lr_warmup_steps}")
 
     if args.mode == "both":
         results = both_in_turns(args, argv if argv is not None else sys.argv[1:])

@@ -101,8 +101,13 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
         generate_main(argv[1:])
         return None
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    # args=None lets LightningCLI read sys.argv itself (passing both makes it warn).
-    return report(lambda: check_config_files(argv) or LitDDPCLI(args=None if args is None else argv))
+
+    def run() -> LitDDPCLI:
+        check_config_files(argv)
+        # args=None lets LightningCLI read sys.argv itself (passing both makes it warn).
+        return LitDDPCLI(args=None if args is None else argv)
+
+    return report(run)
 
 
 def main() -> None:

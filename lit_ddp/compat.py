@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _is_object_storage
@@ -73,7 +73,7 @@ def disable_sigterm_broadcast(trainer: Trainer) -> bool:
     epoch_loop = trainer.fit_loop.epoch_loop
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         return False
-    epoch_loop._broadcast_sigterm_tensor = _no_sigterm_broadcast
+    cast(Any, epoch_loop)._broadcast_sigterm_tensor = _no_sigterm_broadcast  # an instance attribute over the method
     return True
 
 

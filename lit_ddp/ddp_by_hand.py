@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,13 @@ def shard_worker(
     init_group(rank, world_size, port, timeout)
     try:
         dataset = range(dataset_size)  # a sampler only needs len(dataset)
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            dataset,  # type: ignore[arg-type]  # the stub asks for a Dataset; the sampler only calls len()
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=True,
+            seed=0,
+        )
         indices = []
         for epoch in range(epochs):
             sampler.set_epoch(epoch)  # reshuffle: the permutation is seeded by seed + epoch, same on all ranks
@@ -127,7 +133,9 @@ def make_batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
 def local_indices(global_batch: int, rank: int, world_size: int) -> list[int]:
     """The rows of a global batch that ``rank`` gets: DistributedSampler without shuffling (``rank``,
     ``rank + world_size``, ...)."""
-    return list(DistributedSampler(range(global_batch), num_replicas=world_size, rank=rank, shuffle=False))
+    rows = range(global_batch)
+    # The stub asks for a Dataset; the sampler only calls len().
+    return list(DistributedSampler(rows, num_replicas=world_size, rank=rank, shuffle=False))  # type: ignore[arg-type]
 
 
 def grad_worker(
@@ -165,7 +173,7 @@ def grad_step(rank: int, world_size: int, global_batch: int, lr: float) -> dict[
     rows = local_indices(global_batch, rank, world_size)
     loss = F.mse_loss(ddp(x[rows]), y[rows])  # the mean over this rank's rows only
     loss.backward()  # gradient hooks all-reduce (sum, then divide by world_size) bucket by bucket
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: cast(torch.Tensor, p.grad).detach().clone() for n, p in model.named_parameters()}  # set by backward
     torch.optim.SGD(ddp.parameters(), lr=lr).step()
     after_step = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {
@@ -185,7 +193,7 @@ def reference_grads(global_batch: int, seed: int = 0) -> dict[str, torch.Tensor]
     model = make_model(seed)
     x, y = make_batch(global_batch)
     F.mse_loss(model(x), y).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {n: cast(torch.Tensor, p.grad).detach().clone() for n, p in model.named_parameters()}  # set by backward
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from jsonargparse import ArgumentParser
 
-from lit_ddp.callbacks.text_samples import DEFAULT_PROMPT
-from lit_ddp.tasks.mingpt import GPTModule
+from lit_ddp.tasks.mingpt import DEFAULT_PROMPT, GPTModule
 
 
 def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:

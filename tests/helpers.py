@@ -25,7 +25,6 @@ TINY_GPT_ARGS = [
     "--model.init_args.n_layer", "1",
     "--model.init_args.n_head", "2",
     "--model.init_args.n_embd", "16",
-    "--model.init_args.sample_tokens", "20",
     "--data.init_args.block_size", "16",
     "--data.init_args.batch_size", "8",
     "--data.init_args.truncate", "0.02",
@@ -192,10 +191,11 @@ def callback(cls: type, **init_args: Any) -> tuple[str, dict[str, Any]]:
 
 
 def write_callbacks_config(path: Path, *callbacks: tuple[str, dict[str, Any]]) -> Path:
-    """A YAML fragment setting ``trainer.callbacks`` to the given ``(class_path, init_args)`` pairs."""
+    """A YAML fragment appending the given ``(class_path, init_args)`` pairs to ``trainer.callbacks`` (``callbacks+``:
+    the step config's own callbacks, e.g. minGPT's text samples and throughput, stay)."""
     import yaml
 
-    doc = {"trainer": {"callbacks": [{"class_path": c, "init_args": a} for c, a in callbacks]}}
+    doc = {"trainer": {"callbacks+": [{"class_path": c, "init_args": a} for c, a in callbacks]}}
     path.write_text(yaml.safe_dump(doc))
     return path
 

@@ -49,8 +49,6 @@ def mingpt_args(steps: int, every: int, text: Path) -> list[str]:
         "--data.block_size", "16",
         "--data.batch_size", "8",
         "--model.warmup_steps", "2",
-        "--model.sample_tokens", "0",
-        "--model.sample_prompt", "First",
         "--trainer.max_steps", str(steps),
         "--trainer.val_check_interval", "5",
         "--trainer.limit_val_batches", "2",

@@ -1,5 +1,5 @@
-"""The plain-PyTorch GPT: shapes, causality, initialization, learning, sampling, optimizer groups, and the
-optional speedrun changes (rotary, QK-norm, ReLU², untied head, zero-init projections, Muon groups)."""
+"""The plain-PyTorch GPT: shapes, causality, initialization, learning, sampling, and the optional speedrun
+changes (rotary, QK-norm, ReLU², untied head, zero-init projections). Its training recipe: test_recipe.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, Rotary, adamw_param_groups, muon_param_groups
-from lit_ddp.tasks.mingpt import warmup_cosine_schedule
+from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, Rotary
 
 
 def tiny(**overrides) -> GPT:
@@ -126,44 +125,6 @@ def test_presets_and_validation() -> None:
         GPTConfig(n_embd=10, n_head=3)
 
 
-def test_adamw_param_groups() -> None:
-    """minGPT's split: Linear weights decay; biases, LayerNorm and (untied) embeddings do not."""
-    model = tiny()
-    decay, no_decay = adamw_param_groups(model, 0.1)
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    names = {id(p): n for n, p in model.named_parameters()}
-    decayed = {names[id(p)] for p in decay["params"]}
-    kept = {names[id(p)] for p in no_decay["params"]}
-    assert not decayed & kept
-    assert decayed | kept == set(names.values())
-    # the token embedding is tied to the Linear head (named once, as wte): it decays, as in minGPT
-    assert all(n.endswith("weight") and ("c_" in n or n == "transformer.wte.weight") for n in decayed)
-    assert "transformer.wpe.weight" in kept
-    assert any(n.endswith("ln_1.weight") for n in kept) and any(n.endswith("bias") for n in kept)
-
-
-def lr_values(steps: int, warmup: int, decay: int | None, floor: float) -> list[float]:
-    """The learning rate of each of ``steps`` optimizer steps under ``warmup_cosine_schedule`` (peak 1)."""
-    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = warmup_cosine_schedule(optimizer, warmup, decay, floor)
-    lrs = []
-    for _ in range(steps):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return lrs
-
-
-def test_lr_schedule() -> None:
-    """nanoGPT's get_lr: warmup (step + 1) / (warmup + 1), cosine to the floor at decay_steps, flat after."""
-    flat = lr_values(60, 10, None, 0.1)
-    assert flat[0] == pytest.approx(1 / 11) and flat[50] == pytest.approx(1.0)
-    cosine = lr_values(201, 10, 110, 0.1)
-    assert cosine[10] == pytest.approx(1.0)
-    assert cosine[60] == pytest.approx(0.55)
-    assert cosine[110] == pytest.approx(0.1) and cosine[200] == pytest.approx(0.1)
-
-
 # ---- optional speedrun changes
 
 OPTIONS = {
@@ -262,32 +223,6 @@ def test_untied_head_and_zero_init() -> None:
     assert model.num_parameters() == sum(p.numel() for p in model.parameters()) - lookups
     _, loss = model(torch.randint(0, 11, (2, 8)), torch.randint(0, 11, (2, 8)))
     assert loss.item() == pytest.approx(math.log(11), abs=1e-6)  # a zero head predicts uniformly
-    # a zeroed projection still learns: its gradient is not zero
-    decay, no_decay = adamw_param_groups(model, 0.1)
-    names = {id(p): n for n, p in model.named_parameters()}
-    assert "lm_head.weight" in {names[id(p)] for p in decay["params"]}
-    assert "transformer.wte.weight" in {names[id(p)] for p in no_decay["params"]}
-
-
-@pytest.mark.parametrize("tie_weights", [True, False])
-def test_muon_param_groups(tie_weights: bool) -> None:
-    model = tiny(qk_norm=True, tie_weights=tie_weights).train()
-    hidden, others = muon_param_groups(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    assert len(hidden) + len(others) == len(names) == len({id(p) for p in hidden + others})
-    assert {names[id(p)].rsplit(".", 2)[-2] for p in hidden} == {"c_attn", "c_proj", "c_fc"}
-    assert all(p.ndim == 2 and names[id(p)].startswith("transformer.h.") for p in hidden)
-    other_names = {names[id(p)] for p in others}
-    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight"} <= other_names
-    assert ("lm_head.weight" in other_names) is not tie_weights  # tied: named once, as wte
-    muon = torch.optim.Muon(hidden, lr=0.02, weight_decay=0.0)
-    adamw = torch.optim.AdamW(others, lr=1e-3)
-    before = [p.detach().clone() for p in hidden]
-    idx = torch.randint(0, 11, (2, 16))
-    model(idx, idx)[1].backward()
-    muon.step()
-    adamw.step()
-    assert all(not torch.equal(b, p) for b, p in zip(before, hidden, strict=True))
 
 
 def test_all_options_learn(one_thread: None) -> None:

@@ -1,4 +1,5 @@
-"""minGPT through the CLI: a fit, `lit-ddp generate` without the data, usage errors, 2-process DDP."""
+"""minGPT through the CLI: a fit, `lit-ddp generate` without the data, usage errors, 2-process DDP, and the
+step configs' callbacks (text samples, throughput)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
+import yaml
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lit_ddp.cli import cli_main
 from lit_ddp.data.char import build_vocab
 from lit_ddp.generate import generate, load_gpt
-from lit_ddp.tasks.mingpt import GPTModule
-from tests.callbacks import RecordMetrics
-from tests.helpers import TINY_GPT_ARGS, Runner, callback, compose
+from lit_ddp.tasks.mingpt import DEFAULT_PROMPT, GPTModule
+from tests.helpers import CONFIGS, TINY_GPT_ARGS, Runner, compose
 
 CPU = ("trainer/ddp", "mingpt/cpu")  # as `make train` composes them
 
@@ -36,6 +37,24 @@ def save_like_lightning(module: GPTModule, path: Path) -> Path:
     }
     torch.save(checkpoint, path)
     return path
+
+
+@pytest.mark.parametrize("name", ["cpu", "ddp", "torchrun", "slurm", "tutorial"])
+def test_step_configs_sample_and_measure_throughput(name: str) -> None:
+    """Text samples and throughput/MFU are trainer callbacks of every minGPT step config, not model
+    hyperparameters: what TensorBoard shows (``samples``, ``train/device/items_per_sec``...) stays."""
+    config = yaml.safe_load((CONFIGS / "mingpt" / f"{name}.yaml").read_text())
+    paths = [c["class_path"] for c in config["trainer"]["callbacks"]]
+    assert paths[-1] == "lit_ddp.callbacks.text_samples.TextSampleCallback"  # last: --trainer.callbacks.init_args
+    assert any(p.endswith(".TokenThroughputMonitor") for p in paths)
+    assert not {"sample_tokens", "sample_prompt", "available_flops"} & set(config["model"].get("init_args") or {})
+
+
+def test_default_prompt_is_the_module_s() -> None:
+    """``sample()`` without a prompt continues DEFAULT_PROMPT, less the characters the vocabulary lacks."""
+    module = tiny_module()
+    assert module.sample(max_new_tokens=0) == "".join(c for c in DEFAULT_PROMPT if c in module.vocab)
+    assert "sample_tokens" not in module.hparams and "configure_callbacks" not in GPTModule.__dict__
 
 
 def test_generate_from_hparams_and_weights_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -112,15 +131,15 @@ def test_fit_then_generate_without_data(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_ddp_two_processes_agree(tmp_path: Path, runner: Runner, callbacks_config) -> None:
+def test_ddp_two_processes_agree(tmp_path: Path, runner: Runner) -> None:
     """2-process DDP (gloo) through the CLI on the packaged text (no data path): both ranks see the same
-    val/loss, a text sample is logged."""
+    val/loss, a text sample is logged (cpu.yaml's callbacks, to which the recorder is added)."""
     records = tmp_path / "records"
-    callbacks = callbacks_config("callbacks", callback(RecordMetrics, out_dir=str(records)))
     root = tmp_path / "run"
     # fmt: off
     proc = runner.fit(
-        *compose(*CPU), "--config", str(callbacks), *TINY_GPT_ARGS,
+        *compose(*CPU), *TINY_GPT_ARGS,
+        "--trainer.callbacks+=tests.callbacks.RecordMetrics", f"--trainer.callbacks.init_args.out_dir={records}",
         "--trainer.max_steps", "30", "--trainer.val_check_interval", "15", "--trainer.log_every_n_steps", "5",
         "--trainer.default_root_dir", str(root),
         timeout=120, cwd=tmp_path, MASTER_PORT=str(find_free_network_port()),

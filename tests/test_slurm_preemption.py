@@ -27,7 +27,7 @@ TASKS = {
     # 5000 steps: three delays of up to 45 s of training each must not reach the end (2000 did once: the third
     # run resumed at step 1048 and finished before its signal).
     "mingpt": [
-        "configs/mingpt/slurm.yaml", *FT, *TINY_GPT_ARGS, "--model.init_args.sample_tokens", "0",
+        "configs/mingpt/slurm.yaml", *FT, *TINY_GPT_ARGS,
         "--trainer.max_epochs", "-1", "--trainer.max_steps", "5000", "--trainer.val_check_interval", "500",
         "--trainer.limit_val_batches", "4",
     ],

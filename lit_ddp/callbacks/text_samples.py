@@ -6,31 +6,36 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-DEFAULT_PROMPT = "O God, O God!"
-
 
 class TextSampleCallback(Callback):
-    """At each validation end (not the sanity check), rank zero samples text from a fixed prompt and logs it
-    to TensorBoard as text (tag ``samples``) and to the console at debug level.
+    """At each validation end (not the sanity check), rank zero samples text from a fixed prompt with the
+    module's ``sample(prompt, max_new_tokens, temperature, top_k, seed)`` and logs it to TensorBoard as text
+    (tag ``samples``).
 
     Sampling uses its own seeded generator, so training randomness is untouched.
 
     Args:
-        prompt: the fixed prompt.
-        max_new_tokens: characters to sample.
+        prompt: the fixed prompt; None: the module's default (``GPTModule``'s ``DEFAULT_PROMPT``). A prompt
+            with characters outside the module's vocabulary falls back to the module's default too.
+        max_new_tokens: characters to sample, ``>= 0``.
         temperature: sampling temperature.
         top_k: sample among the ``top_k`` most likely characters; None for all.
         seed: seed of the sampling generator.
+
+    Raises:
+        ValueError: a negative ``max_new_tokens``.
     """
 
     def __init__(
         self,
-        prompt: str = DEFAULT_PROMPT,
+        prompt: str | None = None,
         max_new_tokens: int = 200,
         temperature: float = 1.0,
         top_k: int | None = None,
         seed: int = 0,
     ) -> None:
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -43,7 +48,9 @@ class TextSampleCallback(Callback):
         if trainer.sanity_checking or not hasattr(pl_module, "sample"):
             return
         vocab = getattr(pl_module, "vocab", None)
-        prompt = self.prompt if vocab is None or all(c in vocab for c in self.prompt) else None  # None: the module's
+        prompt = self.prompt
+        if prompt is not None and vocab is not None and not all(c in vocab for c in prompt):
+            prompt = None  # the module's default
         text = pl_module.sample(prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed)
         self.last_sample = text
         for logger in trainer.loggers:

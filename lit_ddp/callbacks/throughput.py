@@ -45,7 +45,8 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if self._available_flops_override is not None:
-            self.available_flops = self._available_flops_override
+            # Lightning types it int | None; Throughput, which reads it, takes a float.
+            self.available_flops = self._available_flops_override  # type: ignore[assignment]
             for throughput in self._throughputs.values():
                 throughput.available_flops = self._available_flops_override
 

@@ -8,6 +8,8 @@ appears in training.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
@@ -146,7 +148,7 @@ class CharDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        hp = self.hparams
+        hp = cast(Any, self.hparams)  # an AttributeDict of __init__'s arguments
         text = self.text_source.read()
         if not text:
             raise ValueError(f"data {self.source} is empty; give a text file with at least a few thousand characters")
@@ -171,19 +173,22 @@ class CharDataModule(LightningDataModule):
         return len(self.vocab)
 
     def train_dataloader(self) -> StatefulDataLoader:
+        assert self.train_set is not None, "train_dataloader() is called after setup()"
+        hp = cast(Any, self.hparams)
         return StatefulDataLoader(
             self.train_set,
-            batch_size=self.hparams.batch_size,
+            batch_size=hp.batch_size,
             # Resumable shuffling under DDP too (Lightning's DistributedSamplerWrapper loses its state).
             sampler=resumable_sampler(self.train_set),
             drop_last=True,
-            num_workers=self.hparams.num_workers,
+            num_workers=hp.num_workers,
         )
 
     def val_dataloader(self) -> StatefulDataLoader:
+        hp = cast(Any, self.hparams)
         return StatefulDataLoader(
             self.val_set,
-            batch_size=self.hparams.batch_size,
+            batch_size=hp.batch_size,
             shuffle=False,
-            num_workers=self.hparams.num_workers,
+            num_workers=hp.num_workers,
         )

@@ -7,6 +7,8 @@ random linear map of the inputs plus small noise (the tutorial's remain availabl
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import TensorDataset
@@ -76,7 +78,7 @@ class RegressionDataModule(LightningDataModule):
         return x, y
 
     def setup(self, stage: str | None = None) -> None:
-        hp = self.hparams
+        hp = cast(Any, self.hparams)  # an AttributeDict of __init__'s arguments
         x, y = self.make_tensors(hp.num_samples, hp.num_features, hp.noise_std, hp.random_targets, hp.data_seed)
         n_val = max(1, round(hp.num_samples * hp.val_fraction))
         n_train = hp.num_samples - n_val
@@ -85,14 +87,15 @@ class RegressionDataModule(LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         # Shuffled, and resumable mid-epoch with or without DDP (Lightning's own DDP sampler is not).
+        assert self.train_set is not None, "train_dataloader() is called after setup()"
+        hp = cast(Any, self.hparams)
         return StatefulDataLoader(
             self.train_set,
-            batch_size=self.hparams.batch_size,
+            batch_size=hp.batch_size,
             sampler=resumable_sampler(self.train_set),
-            num_workers=self.hparams.num_workers,
+            num_workers=hp.num_workers,
         )
 
     def val_dataloader(self) -> StatefulDataLoader:
-        return StatefulDataLoader(
-            self.val_set, batch_size=self.hparams.batch_size, shuffle=False, num_workers=self.hparams.num_workers
-        )
+        hp = cast(Any, self.hparams)
+        return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)

@@ -102,6 +102,7 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
             f"shell: `{launch_hint}`."
         )
     if not in_step and not interactive and (ntasks or 1) > 1:
+        assert ntasks is not None  # (ntasks or 1) > 1
         raise UsageError(
             f"This is the batch script of a job with SLURM_NTASKS={ntasks}, not an srun step: only this one process "
             f"would start and it would wait forever for the other {ntasks - 1}. Prepend srun: "
@@ -112,6 +113,7 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
     if not slurm_plugin and (interactive or ntasks is None):
         return
     if (ntasks or 1) > 1 and "SLURM_NTASKS_PER_NODE" not in env:
+        assert ntasks is not None  # (ntasks or 1) > 1
         nodes = leading_int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")) or 1
         raise UsageError(
             f"The job was launched with --ntasks={ntasks} (e.g. `srun -n {ntasks}`) but without --ntasks-per-node, "

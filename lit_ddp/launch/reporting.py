@@ -137,11 +137,12 @@ def _exit_once(e: BaseException, code: int) -> NoReturn:
 def is_peer_lost(e: BaseException) -> bool:
     """Whether ``e`` (or what caused it) says that another rank's process went away."""
     seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if any(pattern in str(e) for pattern in PEER_LOST):
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if any(pattern in str(cur) for pattern in PEER_LOST):
             return True
-        e = e.__cause__ or e.__context__
+        cur = cur.__cause__ or cur.__context__
     return False
 
 

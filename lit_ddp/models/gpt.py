@@ -1,16 +1,17 @@
-"""A character-level GPT in plain PyTorch (no Lightning): config, blocks, model, sampling.
+"""A character-level GPT in plain PyTorch (no Lightning): config, presets, blocks, model, sampling, FLOPs.
+
+Architecture only; how it is trained (parameter groups, optimizers, schedule) is :mod:`lit_ddp.recipe`.
 
 Sources: Andrej Karpathy's nanoGPT ``model.py`` (structure, GPT-2 initialization, ``generate``) and minGPT
-(named presets, the AdamW parameter groups), both MIT-licensed; the PyTorch DDP tutorial's
-``minGPT-ddp/mingpt/model.py`` for the tutorial's sizes.
+(named presets), both MIT-licensed; the PyTorch DDP tutorial's ``minGPT-ddp/mingpt/model.py`` for the
+tutorial's sizes.
 
 Optional changes, all off by default (then the model is the GPT-2 one above, bit for bit), each credited by
 the NanoGPT speedrun's record log (github.com/KellerJordan/modded-nanogpt, README "World record
 history", records numbered as there): rotary position embeddings (``rope``; record 2, 06/06/24), QK-norm
 (``qk_norm``), ReLU² (``activation="relu2"``) and zero-initialized projections (``zero_init_proj``; all
-three record 5, 10/14/24), an untied head (``tie_weights=False``; record 8, 11/03/24), and the Muon
-optimizer for the blocks' matrices (:func:`muon_param_groups`; records 3-4). The papers are named at each
-``GPTConfig`` field.
+three record 5, 10/14/24) and an untied head (``tie_weights=False``; record 8, 11/03/24). The papers are
+named at each ``GPTConfig`` field. The speedrun's Muon optimizer (records 3-4) is in :mod:`lit_ddp.recipe`.
 
 The tutorial's model passes a float 0/1 ``tril`` mask to ``nn.MultiheadAttention``. A float mask is *added*
 to the attention scores, so the future is not blocked (it gets +0, the past +1) and that model sees future
@@ -158,10 +159,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)``."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = [
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+            for t in self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        ]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
@@ -274,8 +275,7 @@ class GPT(nn.Module):
         nanoGPT's estimate (PaLM paper, appendix B): ``6 N + 12 L C T`` with N the non-embedding parameters.
         """
         T = seq_len or self.config.block_size
-        cfg = self.config
-        return 6 * self.num_parameters() + 12 * cfg.n_layer * cfg.n_embd * T
+        return 6 * self.num_parameters() + 12 * self.config.n_layer * self.config.n_embd * T
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -357,40 +357,3 @@ class GPT(nn.Module):
                 idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
-
-
-def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """minGPT's AdamW parameter groups: weights of Linear layers decay; biases, LayerNorm and Embedding
-    weights do not. A weight tied between an Embedding and a Linear (the GPT head) decays, as in minGPT.
-
-    Returns:
-        ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]``.
-    """
-    decay: dict[int, nn.Parameter] = {}
-    no_decay: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if name == "weight" and isinstance(module, nn.Linear):
-                decay[id(p)] = p
-            else:
-                no_decay.setdefault(id(p), p)
-    for key in decay:
-        no_decay.pop(key, None)
-    return [
-        {"params": list(decay.values()), "weight_decay": weight_decay},
-        {"params": list(no_decay.values()), "weight_decay": 0.0},
-    ]
-
-
-def muon_param_groups(model: GPT) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Splits a GPT's parameters for ``torch.optim.Muon`` + ``torch.optim.AdamW`` (speedrun records 3-4;
-    Keller Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024): Muon orthogonalizes
-    the update of a 2-D matrix, so it takes the blocks' Linear weights; the embeddings, the head, norms and
-    biases go to AdamW.
-
-    Returns:
-        ``(hidden_matrices, others)``: every parameter once (a tied embedding/head counts once, in ``others``).
-    """
-    hidden = {id(p): p for p in model.transformer.h.parameters() if p.ndim == 2}
-    others = [p for p in model.parameters() if id(p) not in hidden]
-    return list(hidden.values()), others

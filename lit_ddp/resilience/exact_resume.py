@@ -114,7 +114,12 @@ class ExactResume(Callback):
             )
         if self._loader_states and fit_loop.restarted_mid_epoch:
             # draws from the RNGs while the iterator is built: before their restore below
-            compat.restore_train_loaders(trainer, self._loader_states, fit_loop.epoch_progress.current.processed)
+            compat.restore_train_loaders(
+                trainer,
+                self._loader_states,
+                # Lightning annotates `current` as a _ReadyCompletedTracker; the fit loop's is a _ProcessedTracker.
+                fit_loop.epoch_progress.current.processed,  # type: ignore[attr-defined]
+            )
         self._loader_states = None
         if self._purge_pending:
             self._purge_step = compat.first_logged_step(trainer)

@@ -46,7 +46,8 @@ class FiniteLossGuard(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._losses.append((trainer.global_step, loss))  # global_step counts this step already
-        every = self.check_every_n_steps or trainer.log_every_n_steps or 1
+        # Trainer's log_every_n_steps is set by its logger connector and undeclared on the class.
+        every = self.check_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
         if trainer.global_step % every == 0:
             self._agree(trainer)
 

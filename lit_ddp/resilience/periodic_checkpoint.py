@@ -39,12 +39,10 @@ class PeriodicCheckpoint(ModelCheckpoint):
         **kwargs: Any,
     ) -> None:
         both = bool(every_n_train_steps) and train_time_interval is not None
-        super().__init__(
-            *args,
-            every_n_train_steps=every_n_train_steps,
-            train_time_interval=None if both else train_time_interval,
-            **kwargs,
+        kwargs.update(
+            every_n_train_steps=every_n_train_steps, train_time_interval=None if both else train_time_interval
         )
+        super().__init__(*args, **kwargs)
         self._train_time_interval = train_time_interval
         self._configured_interval = train_time_interval  # for state_key, which must not follow the swap below
         self._state_key: str | None = None

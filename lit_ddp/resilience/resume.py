@@ -222,7 +222,7 @@ def agree_on_resume_checkpoint(trainer: Any, root_dir: str, checkpoint_dir: str)
     except ValueError:
         readable = False
     mine = (trainer.global_rank, socket.gethostname(), readable)
-    everyone = [mine]
+    everyone: list[Any] = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

@@ -1,8 +1,10 @@
 """The DDP tutorial's "real-world" step: a character-level GPT trained on Tiny Shakespeare.
 
 Source: pytorch/examples ``distributed/minGPT-ddp`` (``trainer.py``, ``gpt2_train_cfg.yaml``), itself built
-on Andrej Karpathy's minGPT; training recipe details (parameter groups, warmup + cosine decay, FLOPs
-estimate) from Karpathy's minGPT and nanoGPT. The data: :class:`lit_ddp.data.char.CharDataModule`.
+on Andrej Karpathy's minGPT. The training recipe (parameter groups, optimizers, warmup + cosine decay) is
+:mod:`lit_ddp.recipe`, the one the benchmarks use too; the FLOPs estimate is nanoGPT's. The data:
+:class:`lit_ddp.data.char.CharDataModule`. Text samples and throughput (MFU) are callbacks that the step
+configs list under ``trainer.callbacks``, not hyperparameters of this module.
 
 Differences from the tutorial, and why:
 
@@ -16,19 +18,19 @@ Differences from the tutorial, and why:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule
-from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LambdaLR, LinearLR, LRScheduler, SequentialLR
+from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from lit_ddp.callbacks.text_samples import DEFAULT_PROMPT, TextSampleCallback
-from lit_ddp.callbacks.throughput import TokenThroughputMonitor
 from lit_ddp.data.char import decode, encode
-from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig, adamw_param_groups, muon_param_groups
-from lit_ddp.optim import OptimizerChain
+from lit_ddp.models.gpt import GPT, PRESETS, GPTConfig
+from lit_ddp.recipe import OPTIMIZERS, build_optimizer, warmup_cosine_schedule
+
+DEFAULT_PROMPT = "O God, O God!"
+"""What :meth:`GPTModule.sample` continues when given no prompt (TextSampleCallback's and ``lit-ddp generate``'s
+default)."""
 
 
 class GPTModule(LightningModule):
@@ -38,10 +40,9 @@ class GPTModule(LightningModule):
     checkpoint), else from the datamodule after its ``setup``. The vocabulary is then stored in
     ``hparams["vocab"]`` and so in every checkpoint.
 
-    Logged: ``train/loss`` (mean over ranks, every ``trainer.log_every_n_steps`` steps), ``val/loss`` (nats per character, token-weighted
-    mean over all ranks) and ``val/ppl`` (``exp(val/loss)``); throughput (``train/device/items_per_sec`` is
-    tokens/s per process, ``train/items_per_sec`` over all processes; FLOPs/s and MFU when a peak is
-    known); a text sample at each validation end.
+    Logged: ``train/loss`` (mean over ranks, every ``trainer.log_every_n_steps`` steps), ``val/loss`` (nats
+    per character, token-weighted mean over all ranks) and ``val/ppl`` (``exp(val/loss)``). For throughput
+    callbacks it sets ``flops_per_batch`` (training FLOPs of the current batch); ``sample()`` gives text.
 
     Args:
         model_type: size preset (``gpt-nano``, ``gpt-micro``, ``gpt-mini``, ``tutorial``).
@@ -52,7 +53,7 @@ class GPTModule(LightningModule):
         dropout: dropout probability.
         bias: biases in Linear and LayerNorm layers.
         vocab: the vocabulary (character ``i`` is token ``i``); None: taken from the datamodule.
-        learning_rate: AdamW peak learning rate (the tutorial's 3e-4).
+        learning_rate: AdamW's peak learning rate (the tutorial's 3e-4).
         weight_decay: AdamW weight decay of Linear weights (the tutorial's 0.1).
         betas: AdamW betas (minGPT's (0.9, 0.95)).
         warmup_steps: optimizer steps of linear warmup from 0 to ``learning_rate``.
@@ -60,9 +61,6 @@ class GPTModule(LightningModule):
             False keeps it constant (the tutorial).
         decay_steps: optimizer step at which the cosine reaches its minimum; None: the end of training.
         min_lr_ratio: floor of the cosine, relative to ``learning_rate``.
-        sample_prompt: prompt of the text sample at each validation end.
-        sample_tokens: characters sampled at each validation end; 0 turns sampling off.
-        available_flops: peak FLOP/s of one device (process), for MFU; see ``bench/matmul_peak.py``.
         rope: rotary position embeddings instead of learned ones (:class:`GPTConfig`, RoFormer).
         qk_norm: RMSNorm of each head's q and k (:class:`GPTConfig`).
         activation: MLP nonlinearity, ``"gelu"`` (GPT-2) or ``"relu2"`` (Primer).
@@ -70,8 +68,8 @@ class GPTModule(LightningModule):
         zero_init_proj: residual output projections (and an untied head) start at zero.
         optimizer: ``"adamw"`` (minGPT's: AdamW over every parameter) or ``"muon"``: ``torch.optim.Muon`` for
             the blocks' 2-D weights, AdamW (``learning_rate``, ``betas``, ``weight_decay``) for the embeddings,
-            head, norms and biases (Keller Jordan, "Muon: An optimizer for hidden layers in neural networks",
-            2024; modded-nanogpt's speedrun records 3-4); both follow the same warmup + cosine schedule.
+            head, norms and biases (:func:`lit_ddp.recipe.build_optimizer`); both follow the same warmup +
+            cosine schedule.
         muon_learning_rate: Muon's peak learning rate.
         muon_momentum: Muon's (Nesterov) momentum.
         muon_weight_decay: Muon's decoupled weight decay.
@@ -100,9 +98,6 @@ class GPTModule(LightningModule):
         cosine_decay: bool = False,
         decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
-        sample_prompt: str = DEFAULT_PROMPT,
-        sample_tokens: int = 200,
-        available_flops: float | None = None,
         rope: bool = False,
         qk_norm: bool = False,
         activation: str = "gelu",
@@ -127,12 +122,10 @@ class GPTModule(LightningModule):
             raise ValueError(f"decay_steps={decay_steps} must be > warmup_steps={warmup_steps}")
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
-        if optimizer not in ("adamw", "muon"):
-            raise ValueError(f"optimizer={optimizer!r} must be 'adamw' or 'muon'")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} must be one of {', '.join(map(repr, OPTIMIZERS))}")
         if muon_learning_rate <= 0:
             raise ValueError(f"muon_learning_rate={muon_learning_rate} must be > 0")
-        if sample_tokens < 0:
-            raise ValueError(f"sample_tokens={sample_tokens} must be >= 0")
         self.save_hyperparameters()
         self.hparams.betas = tuple(float(b) for b in betas)  # primitive, whatever the parser made of it
         self.gpt_config = self._make_config(vocab_size=len(vocab) if vocab else 1)  # validates the sizes
@@ -208,8 +201,12 @@ class GPTModule(LightningModule):
         x, y = batch
         self.flops_per_batch = self.flops_per_token(x.size(1)) * x.numel()  # forward + backward
         _, loss = self(x, y)
-        # The mean over ranks is one all-reduce: only on the steps the logger writes (trainer.log_every_n_steps).
-        if self.trainer._logger_connector.should_update_logs:
+        # The mean over ranks is one all-reduce: only on the steps the logger writes. Lightning's condition
+        # (its logger connector's should_update_logs) is "log_every_n_steps > 0 and ((batches that stepped + 1)
+        # % log_every_n_steps == 0 or should_stop)"; before this batch's optimizer step the number of batches
+        # that stepped is global_step (one optimizer, chained or not), so this is the same test in public terms.
+        every = self.trainer.log_every_n_steps
+        if every > 0 and ((self.global_step + 1) % every == 0 or self.trainer.should_stop):
             self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         return loss
 
@@ -229,38 +226,21 @@ class GPTModule(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        groups = adamw_param_groups(self.model, hp.weight_decay)
-        if hp.get("optimizer", "adamw") == "muon":
-            hidden, others = muon_param_groups(self.model)
-            keep = {id(p) for p in others}
-            # Named groups: LearningRateMonitor logs lr-OptimizerChain/muon, .../adamw_decay, .../adamw_no_decay.
-            groups = [
-                {**g, "params": [p for p in g["params"] if id(p) in keep], "name": f"adamw_{kind}"}
-                for g, kind in zip(groups, ("decay", "no_decay"), strict=True)
-            ]
-            muon = torch.optim.Muon(
-                [{"params": hidden, "name": "muon"}],
-                lr=hp.muon_learning_rate,
-                momentum=hp.muon_momentum,
-                weight_decay=hp.muon_weight_decay,
-            )
-            adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.learning_rate, betas=tuple(hp.betas))
-            optimizer = OptimizerChain([muon, adamw])
-        else:
-            optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
-        total = hp.decay_steps
-        if hp.cosine_decay and total is None:
-            total = max(int(self.trainer.estimated_stepping_batches), hp.warmup_steps + 1)
-        scheduler = warmup_cosine_schedule(
-            optimizer, hp.warmup_steps, total if hp.cosine_decay else None, hp.min_lr_ratio
+        optimizer = build_optimizer(
+            self.model,
+            hp.optimizer,
+            learning_rate=hp.learning_rate,
+            weight_decay=hp.weight_decay,
+            betas=tuple(hp.betas),
+            muon_learning_rate=hp.muon_learning_rate,
+            muon_momentum=hp.muon_momentum,
+            muon_weight_decay=hp.muon_weight_decay,
         )
+        decay_steps = hp.decay_steps if hp.cosine_decay else None
+        if hp.cosine_decay and decay_steps is None:  # the end of training
+            decay_steps = max(int(self.trainer.estimated_stepping_batches), hp.warmup_steps + 1)
+        scheduler = warmup_cosine_schedule(optimizer, hp.warmup_steps, decay_steps, hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def configure_callbacks(self) -> list[Callback]:
-        callbacks: list[Callback] = [TokenThroughputMonitor(available_flops=self.hparams.available_flops)]
-        if self.hparams.sample_tokens > 0:
-            callbacks.append(TextSampleCallback(self.hparams.sample_prompt, self.hparams.sample_tokens))
-        return callbacks
 
     # ---- text
 
@@ -273,10 +253,10 @@ class GPTModule(LightningModule):
         top_k: int | None = None,
         seed: int | None = 0,
     ) -> str:
-        """Text continuing ``prompt`` (default: ``sample_prompt``), prompt included; local to this process.
+        """Text continuing ``prompt``, prompt included; local to this process.
 
         Args:
-            prompt: the start of the text; every character must be in the vocabulary. None: ``sample_prompt``
+            prompt: the start of the text; every character must be in the vocabulary. None: ``DEFAULT_PROMPT``
                 less the characters that are not in the vocabulary (its first character if none is left).
             max_new_tokens: characters to sample, ``>= 0``.
             temperature: sampling temperature; 0 is greedy.
@@ -287,8 +267,8 @@ class GPTModule(LightningModule):
             ValueError: a character of ``prompt`` outside the vocabulary, an empty prompt, or a bad
                 sampling argument.
         """
-        if prompt is None:  # the configured prompt, without characters this text lacks (else its first character)
-            prompt = "".join(c for c in self.hparams.sample_prompt if c in self.vocab) or self.vocab[0]
+        if prompt is None:  # the default prompt, without characters this text lacks (else its first character)
+            prompt = "".join(c for c in DEFAULT_PROMPT if c in self.vocab) or self.vocab[0]
         if not prompt:
             raise ValueError("prompt must not be empty")
         device = next(self.model.parameters()).device
@@ -302,41 +282,3 @@ class GPTModule(LightningModule):
         finally:
             self.model.train(was_training)
         return decode(out[0], self.vocab)
-
-
-def warmup_cosine_schedule(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float
-) -> LRScheduler:
-    """nanoGPT's ``get_lr`` from torch's schedulers, stepped once per optimizer step: a linear warmup from
-    ``lr / (warmup_steps + 1)`` to ``lr`` over ``warmup_steps`` (``LinearLR``), then, if ``decay_steps`` is
-    given, a cosine down to ``min_lr_ratio * lr`` at step ``decay_steps`` (``CosineAnnealingLR``) and flat
-    afterwards; without ``decay_steps`` the rate stays at ``lr`` after the warmup.
-
-    Args:
-        optimizer: each group's ``lr`` is its peak rate (groups may differ, e.g. Muon's and AdamW's).
-        warmup_steps: optimizer steps of warmup (0: none).
-        decay_steps: the optimizer step where the cosine reaches its floor, ``> warmup_steps``; None: no decay.
-        min_lr_ratio: the floor relative to the peak, in [0, 1].
-    """
-    peaks = {group["lr"] for group in optimizer.param_groups}
-    peak = optimizer.param_groups[0]["lr"]
-    schedulers: list[LRScheduler] = []
-    milestones: list[int] = []
-    if warmup_steps > 0:
-        schedulers.append(LinearLR(optimizer, 1.0 / (warmup_steps + 1), 1.0, total_iters=warmup_steps))
-        milestones.append(warmup_steps)
-    if decay_steps is None:
-        schedulers.append(ConstantLR(optimizer, factor=1.0, total_iters=0))
-    else:
-        span = decay_steps - warmup_steps
-        if len(peaks) == 1:
-            schedulers.append(CosineAnnealingLR(optimizer, T_max=span, eta_min=min_lr_ratio * peak))
-        else:  # CosineAnnealingLR has one floor for all groups; the closed form scales each group's own peak
-            schedulers.append(
-                LambdaLR(
-                    optimizer, lambda t: min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t / span))
-                )
-            )
-        milestones.append(decay_steps)
-        schedulers.append(LambdaLR(optimizer, lambda _: min_lr_ratio))  # the floor, flat
-    return SequentialLR(optimizer, schedulers, milestones=milestones)

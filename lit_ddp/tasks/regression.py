@@ -10,6 +10,8 @@ error (the data: :class:`lit_ddp.data.regression.RegressionDataModule`).
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
@@ -60,4 +62,5 @@ class RegressionModule(LightningModule):
         self.log("val/r2", self.val_r2, on_epoch=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate, momentum=self.hparams.momentum)
+        hp = cast(Any, self.hparams)  # an AttributeDict of __init__'s arguments
+        return torch.optim.SGD(self.parameters(), lr=hp.learning_rate, momentum=hp.momentum)
