@@ -19,9 +19,11 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lit_ddp.generate import generate_main, sample
 from lit_ddp.launch.preflight import check_config_files
 from lit_ddp.launch.reporting import report
 from lit_ddp.resilience import ResilientCLI
+from lit_ddp.tasks.mingpt import GPTModule
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
 DEFAULT_SEED = 1337
@@ -76,7 +78,7 @@ class LitDDPCLI(ResilientCLI):
 
     def after_fit(self) -> None:
         """Rank zero prints the best monitored value, the checkpoint path, and a text sample when the model
-        has a ``sample()`` method (local to rank zero: no collective calls)."""
+        is a GPT (local to rank zero: no collective calls)."""
         if not self.trainer.is_global_zero:
             return
         ckpt = self.trainer.checkpoint_callback
@@ -84,8 +86,8 @@ class LitDDPCLI(ResilientCLI):
             print(f"best {ckpt.monitor}: {float(ckpt.best_model_score):.4f}")
         if ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
             print(f"checkpoint: {ckpt.best_model_path or ckpt.last_model_path}")
-        if callable(getattr(self.model, "sample", None)):
-            print(f"sample:\n{self.model.sample()}")
+        if isinstance(self.model, GPTModule):
+            print(f"sample:\n{sample(self.model)}")
 
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
@@ -96,8 +98,6 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
     """
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] == "generate":
-        from lit_ddp.generate import generate_main
-
         generate_main(argv[1:])
         return None
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -11,9 +11,57 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
+import torch
 from jsonargparse import ArgumentParser
 
-from lit_ddp.tasks.mingpt import DEFAULT_PROMPT, GPTModule
+from lit_ddp.data.char import decode, encode
+from lit_ddp.tasks.mingpt import GPTModule
+
+DEFAULT_PROMPT = "O God, O God!"
+"""What :func:`sample` continues when given no prompt (also TextSampleCallback's default)."""
+
+
+@torch.no_grad()
+def sample(
+    module: GPTModule,
+    prompt: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = 0,
+) -> str:
+    """Text continuing ``prompt`` (prompt included) from a :class:`GPTModule`, local to this process, in eval mode
+    and full precision; :meth:`lit_ddp.models.gpt.GPT.generate` does the sampling.
+
+    Args:
+        module: a GPTModule with its model built.
+        prompt: the start of the text, in the module's vocabulary. None: ``DEFAULT_PROMPT`` less the characters
+            the vocabulary lacks (its first character if none is left).
+        max_new_tokens: characters to sample, ``>= 0``.
+        temperature: sampling temperature; 0 is greedy.
+        top_k: sample among the ``top_k`` most likely characters; None for all.
+        seed: seed of a private generator (the global RNG is untouched); None uses the global RNG.
+
+    Raises:
+        ValueError: a character of ``prompt`` outside the vocabulary, an empty prompt, or a bad argument.
+    """
+    vocab, model = module.vocab, module.model
+    assert vocab is not None and model is not None, "the module's model is not built"
+    if prompt is None:
+        prompt = "".join(c for c in DEFAULT_PROMPT if c in vocab) or vocab[0]
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    device = next(model.parameters()).device
+    idx = encode(prompt, vocab).to(device)[None, :]  # (1, T)
+    generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(device.type, enabled=False):
+            out = model.generate(idx, max_new_tokens, temperature, top_k, generator=generator)  # (1, T + new)
+    finally:
+        model.train(was_training)
+    return decode(out[0], vocab)
 
 
 def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
@@ -75,14 +123,14 @@ def generate(
         raise ValueError("--prompt must not be empty")
     module = load_gpt(ckpt_path)
     try:
-        return module.sample(prompt, max_new_tokens, temperature, top_k, seed)
+        return sample(module, prompt, max_new_tokens, temperature, top_k, seed)
     except ValueError as e:
         raise ValueError(f"--prompt {prompt!r}: {e}") from e
 
 
 def generate_main(argv: list[str]) -> None:
     """``lit-ddp generate ARGS``: prints the generated text. Exits with code 2 on a usage error."""
-    parser = ArgumentParser(prog="lit-ddp generate", description=generate.__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="lit-ddp generate", description=(generate.__doc__ or "").split("\n")[0])
     parser.add_function_arguments(generate, as_group=False)
     cfg = parser.parse_args(argv)
     try:

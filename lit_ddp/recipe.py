@@ -1,13 +1,10 @@
-"""The GPT's training recipe, the one used by :class:`lit_ddp.tasks.mingpt.GPTModule` and by every benchmark in
-``bench/``: parameter groups, the optimizer (AdamW, or Muon + AdamW) and the warmup + cosine learning rate.
+"""The GPT's training recipe, used by :class:`lit_ddp.tasks.mingpt.GPTModule` and by every benchmark in ``bench/``:
+parameter groups, the optimizer (AdamW, or Muon + AdamW) and the warmup + cosine learning rate. Plain torch, so a
+plain loop trains with exactly what the Lightning job trains with.
 
-Plain torch (no Lightning), so a plain loop trains with exactly what the Lightning job trains with, and a
-benchmark measures the product rather than a copy of it.
-
-Sources: the AdamW parameter groups are minGPT's (``GPT.configure_optimizers``: Linear weights decay, biases,
-LayerNorm and Embedding weights do not); the schedule is nanoGPT's ``get_lr`` (``train.py``: linear warmup,
-cosine decay to a floor), both Andrej Karpathy's, MIT-licensed; Muon is Keller Jordan's ("Muon: An optimizer
-for hidden layers in neural networks", 2024; modded-nanogpt's speedrun records 3-4), as ``torch.optim.Muon``.
+Sources: minGPT's AdamW groups (``GPT.configure_optimizers``), nanoGPT's ``get_lr`` (``train.py``), both Andrej
+Karpathy's (MIT); Muon is Keller Jordan's ("Muon: An optimizer for hidden layers in neural networks", 2024;
+modded-nanogpt's speedrun records 3-4), as ``torch.optim.Muon``.
 """
 
 from __future__ import annotations
@@ -24,12 +21,9 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """minGPT's AdamW parameter groups: weights of Linear layers decay; biases, LayerNorm and Embedding
-    weights do not. A weight tied between an Embedding and a Linear (the GPT head) decays, as in minGPT.
-
-    Returns:
-        ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]``.
-    """
+    """minGPT's AdamW groups: Linear weights decay (a weight tied to an Embedding too); biases, LayerNorm and
+    Embedding weights do not. Returns ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
+    "weight_decay": 0.0}]``."""
     decay: dict[int, nn.Parameter] = {}
     no_decay: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -47,13 +41,8 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def muon_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Splits a :class:`~lit_ddp.models.gpt.GPT`'s parameters for Muon + AdamW: Muon orthogonalizes the
-    update of a 2-D matrix, so it takes the blocks' (``model.transformer.h``) matrices; the embeddings, the
-    head, norms and biases go to AdamW.
-
-    Returns:
-        ``(hidden_matrices, others)``: every parameter once (a tied embedding/head counts once, in ``others``).
-    """
+    """``(hidden_matrices, others)``: Muon orthogonalizes the update of a 2-D matrix, so it takes the matrices of
+    the GPT's blocks (``transformer.h``); embeddings, head, norms and biases go to AdamW. Each parameter once."""
     hidden = {id(p): p for p in model.get_submodule("transformer.h").parameters() if p.ndim == 2}
     others = [p for p in model.parameters() if id(p) not in hidden]
     return list(hidden.values()), others
@@ -62,20 +51,11 @@ def muon_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
 class OptimizerChain(torch.optim.Optimizer):
     """One ``torch.optim.Optimizer`` over several: ``step`` runs the closure once, then each optimizer's step.
 
-    Why our own: Lightning's automatic optimization takes one optimizer, and ``torch.optim.Muon`` only takes
-    2-D matrices, so the embeddings, head, norms and biases need a second optimizer (AdamW). torch has no
-    combined optimizer, and torchtitan's ``OptimizersContainer`` is not a dependency of ours (nor a
-    ``torch.optim.Optimizer``, which Lightning and torch's LR schedulers require).
-
-    ``param_groups`` holds the optimizers' own group dicts (the same objects, so an LR scheduler that scales
-    each group's ``initial_lr`` drives all of them, and LearningRateMonitor sees them all; after
-    ``load_state_dict``, which gives each optimizer new group dicts, the chain holds those); ``state`` is the
-    union of their states; ``state_dict`` holds one entry per optimizer, so a checkpoint restores each
-    exactly. Step hooks registered on the chain run around the whole chained step; state-dict hooks belong on
-    the inner optimizers (the chain's own ``state_dict`` / ``load_state_dict`` do not run them).
-
-    Args:
-        optimizers: the optimizers, stepped in this order; no parameter may be in two of them.
+    Our own because Lightning's automatic optimization takes one optimizer and ``torch.optim.Muon`` only takes
+    matrices; torch has no combined optimizer (torchtitan's ``OptimizersContainer`` is no ``Optimizer``, which
+    Lightning and the LR schedulers require). ``param_groups`` are the optimizers' own group dicts, so a
+    scheduler drives all of them; ``state`` is the union of their states; ``state_dict`` holds one entry per
+    optimizer. Step hooks run around the whole chained step.
 
     Raises:
         ValueError: no optimizer, or a parameter in two of them.
@@ -84,15 +64,11 @@ class OptimizerChain(torch.optim.Optimizer):
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         if not optimizers:
             raise ValueError("OptimizerChain needs at least one optimizer")
-        seen: set[int] = set()
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if id(p) in seen:
-                        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in two optimizers")
-                    seen.add(id(p))
+        params = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        if len(params) != len(set(params)):
+            raise ValueError("a parameter is in two optimizers of the chain")
         self.optimizers = list(optimizers)
-        # No defaults: add_param_group then only re-lists each group's params and appends the very same dict.
+        # No defaults: add_param_group only re-lists each group's params and keeps the very same dict.
         super().__init__([group for opt in self.optimizers for group in opt.param_groups], defaults={})
 
     @property  # type: ignore[override]
@@ -101,9 +77,7 @@ class OptimizerChain(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value: Any) -> None:
-        # Optimizer.__init__ assigns an empty defaultdict; the chain keeps no state of its own (each optimizer
-        # keeps its own, which the getter merges), so the assignment is ignored.
-        pass
+        pass  # Optimizer.__init__ assigns an empty state; the chain's is its optimizers'
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -115,19 +89,10 @@ class OptimizerChain(torch.optim.Optimizer):
             opt.step()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
     def state_dict(self) -> dict[str, Any]:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores each optimizer from its entry of :meth:`state_dict`.
-
-        Raises:
-            ValueError: the saved state holds another number of optimizers (another ``optimizer`` choice).
-        """
         saved = state_dict.get("optimizers")
         if not isinstance(saved, list) or len(saved) != len(self.optimizers):
             raise ValueError(
@@ -136,8 +101,7 @@ class OptimizerChain(torch.optim.Optimizer):
             )
         for opt, sd in zip(self.optimizers, saved, strict=True):
             opt.load_state_dict(sd)
-        # torch's load_state_dict gives each optimizer new group dicts: hold those (schedulers and LearningRateMonitor
-        # read them), in the same list object, in case something kept a reference to it.
+        # Loading gives each optimizer new group dicts: hold those, in the same list (schedulers keep it).
         self.param_groups[:] = [group for opt in self.optimizers for group in opt.param_groups]
 
     def __repr__(self) -> str:
@@ -155,23 +119,12 @@ def build_optimizer(
     muon_momentum: float = 0.95,
     muon_weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """The GPT's optimizer. Each group's ``lr`` is its peak rate; :func:`warmup_cosine_schedule` scales it.
+    """The GPT's optimizer; each group's ``lr`` is its peak rate (:func:`warmup_cosine_schedule` scales it).
 
-    - ``"adamw"``: ``torch.optim.AdamW`` over minGPT's two groups (:func:`adamw_param_groups`, unnamed:
-      LearningRateMonitor logs ``lr-AdamW/pg1``, ``lr-AdamW/pg2``).
-    - ``"muon"``: ``torch.optim.Muon`` for the blocks' matrices (group ``"muon"``) and AdamW for the rest, in
-      minGPT's groups less those matrices (``"adamw_decay"``, ``"adamw_no_decay"``; an empty one is left out),
-      stepped as one :class:`OptimizerChain` (LearningRateMonitor: ``lr-OptimizerChain/muon``, ...).
-
-    Args:
-        model: a :class:`~lit_ddp.models.gpt.GPT` (``"muon"`` needs its ``transformer.h`` blocks).
-        optimizer: ``"adamw"`` or ``"muon"``.
-        learning_rate: AdamW's peak learning rate.
-        weight_decay: AdamW's decoupled weight decay of Linear weights.
-        betas: AdamW's betas.
-        muon_learning_rate: Muon's peak learning rate.
-        muon_momentum: Muon's (Nesterov) momentum.
-        muon_weight_decay: Muon's decoupled weight decay.
+    ``"adamw"``: AdamW over :func:`adamw_param_groups` (LearningRateMonitor: ``lr-AdamW/pg1``, ``pg2``).
+    ``"muon"``: Muon over the blocks' matrices (group ``muon``) and AdamW over the rest of those groups
+    (``adamw_decay``, ``adamw_no_decay``), as one :class:`OptimizerChain` (``lr-OptimizerChain/muon``, ...).
+    ``learning_rate``, ``weight_decay`` and ``betas`` are AdamW's; ``muon_*`` are Muon's.
 
     Raises:
         ValueError: an unknown ``optimizer``.
@@ -198,31 +151,29 @@ def build_optimizer(
     return OptimizerChain([muon, adamw])
 
 
-def warmup_cosine_schedule(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float
-) -> LRScheduler:
-    """nanoGPT's ``get_lr`` from torch's schedulers, stepped once per optimizer step: a linear warmup from
-    ``lr / (warmup_steps + 1)`` to ``lr`` over ``warmup_steps`` (``LinearLR``), then, if ``decay_steps`` is
-    given, a cosine down to ``min_lr_ratio * lr`` at step ``decay_steps`` (``CosineAnnealingLR``) and flat
-    afterwards; without ``decay_steps`` the rate stays at ``lr`` after the warmup.
-
-    Args:
-        optimizer: each group's ``lr`` is its peak rate (groups may differ, e.g. Muon's and AdamW's).
-        warmup_steps: optimizer steps of warmup (0: none).
-        decay_steps: the optimizer step where the cosine reaches its floor, ``> warmup_steps``; None: no decay.
-        min_lr_ratio: the floor relative to the peak, in [0, 1].
-
-    Raises:
-        ValueError: ``warmup_steps < 0``, ``decay_steps <= warmup_steps`` or ``min_lr_ratio`` outside [0, 1].
-    """
+def check_schedule(warmup_steps: int, decay_steps: int | None, min_lr_ratio: float) -> None:
+    """Raises ValueError for ``warmup_steps < 0``, ``decay_steps <= warmup_steps`` or ``min_lr_ratio`` outside
+    [0, 1]."""
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
     if decay_steps is not None and decay_steps <= warmup_steps:
         raise ValueError(f"decay_steps={decay_steps} must be > warmup_steps={warmup_steps}")
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
-    peaks = {group["lr"] for group in optimizer.param_groups}
-    peak = optimizer.param_groups[0]["lr"]
+
+
+def warmup_cosine_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float
+) -> LRScheduler:
+    """nanoGPT's ``get_lr`` from torch's schedulers, stepped per optimizer step: a linear warmup from
+    ``lr / (warmup_steps + 1)`` to each group's peak ``lr`` (``LinearLR``), then, given ``decay_steps``, a cosine
+    to ``min_lr_ratio * lr`` at step ``decay_steps`` and flat after it; without ``decay_steps``, constant.
+
+    Raises:
+        ValueError: see :func:`check_schedule`.
+    """
+    check_schedule(warmup_steps, decay_steps, min_lr_ratio)
+    peaks = [group["lr"] for group in optimizer.param_groups]  # before LinearLR scales them down
     schedulers: list[LRScheduler] = []
     milestones: list[int] = []
     if warmup_steps > 0:
@@ -230,16 +181,11 @@ def warmup_cosine_schedule(
         milestones.append(warmup_steps)
     if decay_steps is None:
         schedulers.append(ConstantLR(optimizer, factor=1.0, total_iters=0))
-    else:
-        span = decay_steps - warmup_steps
-        if len(peaks) == 1:
-            schedulers.append(CosineAnnealingLR(optimizer, T_max=span, eta_min=min_lr_ratio * peak))
-        else:  # CosineAnnealingLR has one floor for all groups; the closed form scales each group's own peak
-            schedulers.append(
-                LambdaLR(
-                    optimizer, lambda t: min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t / span))
-                )
-            )
-        milestones.append(decay_steps)
-        schedulers.append(LambdaLR(optimizer, lambda _: min_lr_ratio))  # the floor, flat
-    return SequentialLR(optimizer, schedulers, milestones=milestones)
+        return SequentialLR(optimizer, schedulers, milestones=milestones)
+    span, floor = decay_steps - warmup_steps, min_lr_ratio
+    if len(set(peaks)) == 1:
+        schedulers.append(CosineAnnealingLR(optimizer, T_max=span, eta_min=floor * peaks[0]))
+    else:  # CosineAnnealingLR has one floor for all groups; the closed form scales each group's own peak
+        schedulers.append(LambdaLR(optimizer, lambda t: floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t / span))))
+    schedulers.append(LambdaLR(optimizer, lambda _: floor))  # the floor, flat
+    return SequentialLR(optimizer, schedulers, milestones=[*milestones, decay_steps])

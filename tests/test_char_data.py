@@ -11,8 +11,8 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_ddp.data.char import EMBEDDED, CharDataModule, CharWindows, build_vocab, decode, encode
-from lit_ddp.data.sources import DATA_ENV, TINY_SHAKESPEARE_SHA256, read_embedded_text
+from lit_ddp.data.char import CharDataModule, CharWindows, build_vocab, decode, encode
+from lit_ddp.data.sources import DATA_ENV, EMBEDDED, TINY_SHAKESPEARE_SHA256, read_embedded_text
 
 TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
 

@@ -15,8 +15,8 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 
 from lit_ddp.cli import cli_main
 from lit_ddp.data.char import build_vocab
-from lit_ddp.generate import generate, load_gpt
-from lit_ddp.tasks.mingpt import DEFAULT_PROMPT, GPTModule
+from lit_ddp.generate import DEFAULT_PROMPT, generate, load_gpt, sample
+from lit_ddp.tasks.mingpt import GPTModule
 from tests.helpers import CONFIGS, TINY_GPT_ARGS, Runner, compose
 
 CPU = ("trainer/ddp", "mingpt/cpu")  # as `make train` composes them
@@ -51,9 +51,9 @@ def test_step_configs_sample_and_measure_throughput(name: str) -> None:
 
 
 def test_default_prompt_is_the_module_s() -> None:
-    """``sample()`` without a prompt continues DEFAULT_PROMPT, less the characters the vocabulary lacks."""
+    """``sample(module)`` without a prompt continues DEFAULT_PROMPT, less the characters the vocabulary lacks."""
     module = tiny_module()
-    assert module.sample(max_new_tokens=0) == "".join(c for c in DEFAULT_PROMPT if c in module.vocab)
+    assert sample(module, max_new_tokens=0) == "".join(c for c in DEFAULT_PROMPT if c in module.vocab)
     assert "sample_tokens" not in module.hparams and "configure_callbacks" not in GPTModule.__dict__
 
 

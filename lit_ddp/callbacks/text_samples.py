@@ -6,17 +6,19 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit_ddp.generate import sample
+from lit_ddp.tasks.mingpt import GPTModule
+
 
 class TextSampleCallback(Callback):
-    """At each validation end (not the sanity check), rank zero samples text from a fixed prompt with the
-    module's ``sample(prompt, max_new_tokens, temperature, top_k, seed)`` and logs it to TensorBoard as text
-    (tag ``samples``).
+    """At each validation end (not the sanity check), rank zero samples text from a fixed prompt of a
+    :class:`GPTModule` (:func:`lit_ddp.generate.sample`) and logs it to TensorBoard as text (tag ``samples``).
 
     Sampling uses its own seeded generator, so training randomness is untouched.
 
     Args:
-        prompt: the fixed prompt; None: the module's default (``GPTModule``'s ``DEFAULT_PROMPT``). A prompt
-            with characters outside the module's vocabulary falls back to the module's default too.
+        prompt: the fixed prompt; None: ``lit_ddp.generate.DEFAULT_PROMPT``. A prompt with characters outside
+            the module's vocabulary falls back to that default too.
         max_new_tokens: characters to sample, ``>= 0``.
         temperature: sampling temperature.
         top_k: sample among the ``top_k`` most likely characters; None for all.
@@ -45,13 +47,12 @@ class TextSampleCallback(Callback):
 
     @rank_zero_only
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or not hasattr(pl_module, "sample"):
+        if trainer.sanity_checking or not isinstance(pl_module, GPTModule) or pl_module.vocab is None:
             return
-        vocab = getattr(pl_module, "vocab", None)
         prompt = self.prompt
-        if prompt is not None and vocab is not None and not all(c in vocab for c in prompt):
-            prompt = None  # the module's default
-        text = pl_module.sample(prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed)
+        if prompt is not None and not all(c in pl_module.vocab for c in prompt):
+            prompt = None  # the default
+        text = sample(pl_module, prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed)
         self.last_sample = text
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):

@@ -1,9 +1,8 @@
 """Characters of a text as next-token prediction windows, and their vocabulary (the minGPT task's data).
 
-Source: pytorch/examples ``distributed/minGPT-ddp`` (``char_dataset.py``), itself after Karpathy's minGPT.
-The tutorial splits overlapping windows with ``random_split``, so every validation window shares all but one
-character with some training window; here the text is split contiguously first: validation text never
-appears in training.
+Source: pytorch/examples ``distributed/minGPT-ddp`` (``char_dataset.py``), after Karpathy's minGPT. The tutorial
+splits overlapping windows with ``random_split`` (validation windows then overlap training text); here the text
+is split contiguously first.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ def build_vocab(text: str) -> str:
 
 
 def encode(text: str, vocab: str) -> torch.Tensor:
-    """Token ids of ``text`` under a sorted ``vocab`` (as :func:`build_vocab` makes it): int64 of shape
-    ``(len(text),)``, vectorized (no per-character Python work).
+    """Token ids ``(len(text),)`` int64 of ``text`` under a sorted ``vocab``, vectorized.
 
     Raises:
         ValueError: ``text`` holds characters outside ``vocab`` (named in the message).
@@ -37,8 +35,7 @@ def encode(text: str, vocab: str) -> torch.Tensor:
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     table = np.frombuffer(vocab.encode("utf-32-le"), dtype=np.uint32)  # sorted, as build_vocab makes it
     ids = np.searchsorted(table, codes)
-    ids_clipped = np.minimum(ids, len(table) - 1)
-    bad = table[ids_clipped] != codes
+    bad = table[np.minimum(ids, len(table) - 1)] != codes
     if bad.any():
         missing = sorted({chr(c) for c in codes[bad][:1000]})
         raise ValueError(f"characters {missing!r} are not in the vocabulary of {len(vocab)} characters")
@@ -51,13 +48,8 @@ def decode(ids: torch.Tensor | list[int], vocab: str) -> str:
 
 
 class CharWindows(Dataset):
-    """Windows of a token tensor: item ``i`` is ``(x, y) = (data[s : s + T], data[s + 1 : s + T + 1])``
-    with ``s = i * stride`` and ``T = block_size``; both int64 of shape ``(T,)``, slices of ``data``.
-
-    Args:
-        data: token ids ``(N,)``.
-        block_size: window length T.
-        stride: distance between window starts (1: every position, as the tutorial; T: disjoint windows).
+    """Windows of token ids ``data (N,)``: item ``i`` is ``(x, y) = (data[s : s + T], data[s + 1 : s + T + 1])``,
+    both ``(T,)``, with ``s = i * stride``, ``T = block_size`` (stride 1: every position; T: disjoint windows).
 
     Raises:
         ValueError: ``data`` shorter than ``block_size + 1`` tokens.
@@ -80,17 +72,13 @@ class CharWindows(Dataset):
 
 
 class CharDataModule(LightningDataModule):
-    """Characters of a text file as next-token prediction windows (the tutorial's ``CharDataset``).
+    """Characters of a text as next-token prediction windows (the tutorial's ``CharDataset``).
 
-    The text comes from ``path``, else the ``LIT_DDP_DATA`` environment variable, else the Tiny Shakespeare
-    embedded in the package (no network). A URL is downloaded once (``prepare_data``, local rank zero) into
-    ``cache_dir``; a plain path is read in place. In ``setup`` every rank builds the vocabulary of the whole
-    text (unlike the tutorial, which builds it after truncating, so a prompt may use any character of the
-    file), encodes the first ``truncate`` fraction into one int64 tensor, and splits it contiguously: the
-    first ``train_split`` for training, the rest for validation, so no validation window overlaps training
-    text. Training windows start at every position (as the tutorial); validation windows are disjoint
-    (stride ``block_size``), which estimates the same loss ``block_size`` times cheaper. A batch is
-    ``(x, y)``, both ``(B, T)`` int64.
+    The text: ``path``, else ``$LIT_DDP_DATA``, else the embedded Tiny Shakespeare (:class:`TextSource`). In
+    ``setup`` every rank builds the vocabulary of the whole text, encodes its first ``truncate`` fraction and
+    splits it contiguously: ``train_split`` for training (windows at every position, as the tutorial), the rest
+    for validation (disjoint windows: the same loss, ``block_size`` times cheaper). A batch is ``(x, y)``, both
+    ``(B, T)`` int64. The train loader's sampler gives each rank its shard (:mod:`lit_ddp.data.samplers`).
 
     Args:
         path: path or fsspec URL of a UTF-8 text; None: ``$LIT_DDP_DATA``, else the embedded Tiny Shakespeare.
@@ -103,10 +91,9 @@ class CharDataModule(LightningDataModule):
         num_workers: DataLoader worker processes per rank.
 
     Raises:
-        ValueError: a size or fraction out of range (at construction); a split too short for one window
-            or a sha256 mismatch (in ``prepare_data`` / ``setup``).
-        FileNotFoundError: a local ``path`` that does not exist (at construction, before any process starts).
-        IsADirectoryError: a local ``path`` that is a directory (at construction).
+        ValueError: a size or fraction out of range (at construction); a split too short for one window or a
+            sha256 mismatch (``prepare_data`` / ``setup``).
+        FileNotFoundError, IsADirectoryError: a bad local ``path`` (at construction, before any process starts).
     """
 
     def __init__(
@@ -121,10 +108,9 @@ class CharDataModule(LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size} must be a positive integer")
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be a positive integer (windows per device)")
+        for name, value in (("block_size", block_size), ("batch_size", batch_size)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be a positive integer")
         if not 0.0 < train_split < 1.0:
             raise ValueError(f"train_split={train_split} must be in (0, 1)")
         if not 0.0 < truncate <= 1.0:
@@ -168,27 +154,18 @@ class CharDataModule(LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """Number of distinct characters (after ``setup``)."""
-        if self.vocab is None:
-            raise RuntimeError("vocab_size is known after setup()")
+        assert self.vocab is not None, "vocab_size is known after setup()"
         return len(self.vocab)
 
     def train_dataloader(self) -> StatefulDataLoader:
         assert self.train_set is not None, "train_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
+        # The sampler gives this rank its shard and resumes exactly (Lightning's own wrapper loses its state).
+        sampler = resumable_sampler(self.train_set)
         return StatefulDataLoader(
-            self.train_set,
-            batch_size=hp.batch_size,
-            # Resumable shuffling under DDP too (Lightning's DistributedSamplerWrapper loses its state).
-            sampler=resumable_sampler(self.train_set),
-            drop_last=True,
-            num_workers=hp.num_workers,
+            self.train_set, hp.batch_size, sampler=sampler, drop_last=True, num_workers=hp.num_workers
         )
 
     def val_dataloader(self) -> StatefulDataLoader:
         hp = cast(Any, self.hparams)
-        return StatefulDataLoader(
-            self.val_set,
-            batch_size=hp.batch_size,
-            shuffle=False,
-            num_workers=hp.num_workers,
-        )
+        return StatefulDataLoader(self.val_set, hp.batch_size, shuffle=False, num_workers=hp.num_workers)

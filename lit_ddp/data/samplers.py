@@ -1,11 +1,9 @@
-"""The train sampler whose order does not depend on the world size, and whose position a checkpoint restores
-exactly on any number of processes.
+"""The train sampler: DDP's ``DistributedSampler`` role (each rank its own shard of every epoch), in an order that
+does not depend on the world size and at a position a checkpoint restores exactly on any number of processes.
 
-The idea is Megatron-LM's ``MegatronPretrainingSampler`` (``megatron/legacy/data/data_samplers.py``): the
-loader state is the number of samples the whole job has consumed, not each rank's own count. Built on
-torchdata's ``StatefulDistributedSampler`` (the ``StatefulDataLoader`` protocol: ``state_dict`` /
-``load_state_dict``, saved and restored with the loader's state), which it extends, so Lightning injects no
-sampler of its own.
+The idea is Megatron-LM's ``MegatronPretrainingSampler``: the saved state is the number of samples the whole job
+has consumed, not each rank's own count. It extends torchdata's ``StatefulDistributedSampler`` (saved and
+restored with the ``StatefulDataLoader``'s state), so Lightning injects no sampler of its own.
 """
 
 from __future__ import annotations
@@ -22,21 +20,11 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 
 class GlobalOrderSampler(StatefulDistributedSampler):
-    """One permutation per epoch, shuffled by ``(seed, epoch)`` only, read in the same global order on any
-    number of processes.
-
-    Under DDP rank ``r`` of ``W`` takes every ``W``-th index of the epoch's permutation ``perm``, from the
-    position where the job stands, so the union of the ranks' batches at step ``s`` is the contiguous slice
-    ``perm[s*W*B : (s+1)*W*B]``: the same slice one process with batch ``W*B`` takes at step ``s``. The
-    checkpointed state is ``{"epoch", "consumed"}``, where ``consumed`` counts the samples the whole job has
-    drawn in the epoch. A run stopped on ``W`` processes therefore continues on ``W'`` from the same sample,
-    and with ``W*B == W'*B'`` with the same global batches. With another global batch no sample is lost or
-    repeated either, but the batches are cut differently, so an epoch has another number of optimizer steps
-    (and an LR schedule by steps ends at another sample); a warning says so once.
-
-    For one process and for ``W`` processes the index streams are those of torch's ``DistributedSampler``
-    with the same seed and ``drop_last=True``: the last ``len(dataset) mod W`` samples of each epoch's
-    permutation are left out so that every rank takes as many.
+    """One permutation per epoch, shuffled by ``(seed, epoch)`` only: rank ``r`` of ``W`` takes every ``W``-th index
+    from the job's position, so the ranks' batches at step ``s`` together are ``perm[s*W*B : (s+1)*W*B]``, what one
+    process with batch ``W*B`` takes. The state is ``{"epoch", "consumed", "world_size"}``: a run stopped on ``W``
+    processes continues on ``W'`` from the same sample, with the same global batches when ``W*B == W'*B'``. The
+    index streams equal torch's ``DistributedSampler`` with ``drop_last=True`` (the last ``len mod W`` left out).
 
     Args:
         dataset: the map-style training dataset.
@@ -45,10 +33,6 @@ class GlobalOrderSampler(StatefulDistributedSampler):
         shuffle: a new permutation every epoch; False keeps the dataset order.
         seed: the permutation's seed (the same on every rank); None: ``seed_everything``'s (``PL_GLOBAL_SEED``).
     """
-
-    _CONSUMED = "consumed"
-    _EPOCH = "epoch"
-    _WORLD_SIZE = "world_size"
 
     def __init__(
         self,
@@ -86,40 +70,33 @@ class GlobalOrderSampler(StatefulDistributedSampler):
 
     def _resume_position(self) -> int:
         resume, self._resume = self._resume, None
-        if resume is None or resume[self._EPOCH] != self.epoch:
+        if resume is None or resume["epoch"] != self.epoch:
             return 0  # a fresh epoch (a checkpoint written at an epoch's end resumes into the next one)
-        saved_world = resume.get(self._WORLD_SIZE, self.num_replicas)
+        saved_world = resume.get("world_size", self.num_replicas)
         if saved_world != self.num_replicas:
             rank_zero_warn(
                 f"Resuming on {self.num_replicas} process(es) from a checkpoint of {saved_world}: the data continues "
-                f"from sample {resume[self._CONSUMED]} of epoch {self.epoch} in the same global order. The steps "
+                f"from sample {resume['consumed']} of epoch {self.epoch} in the same global order. The steps "
                 "draw the same samples only if processes x batch_size is unchanged; otherwise no sample is lost "
                 "or repeated, but batches and the number of steps per epoch differ.",
             )
-        return min(int(resume[self._CONSUMED]), len(self.dataset))
+        return min(int(resume["consumed"]), len(self.dataset))
 
     def state_dict(self) -> dict[str, Any]:
         """``{"epoch", "consumed", "world_size"}``: the global position, valid for any world size."""
-        return {
-            self._EPOCH: self.epoch,
-            self._CONSUMED: self.start + self.yielded * self.num_replicas,
-            self._WORLD_SIZE: self.num_replicas,
-        }
+        consumed = self.start + self.yielded * self.num_replicas
+        return {"epoch": self.epoch, "consumed": consumed, "world_size": self.num_replicas}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict["consumed"]`` at the next ``iter()`` of the same epoch.
-
-        Raises:
-            ValueError: not a state of this sampler (e.g. a per-rank ``{"yielded": ...}`` of torchdata's
-                ``StatefulDistributedSampler``, whose position cannot be mapped to a global one).
-        """
-        if self._CONSUMED not in state_dict or self._EPOCH not in state_dict:
+        """Continue from ``state_dict["consumed"]`` at the next ``iter()`` of the same epoch; ValueError for another
+        sampler's state (e.g. torchdata's per-rank ``{"yielded": ...}``, which maps to no global position)."""
+        if "consumed" not in state_dict or "epoch" not in state_dict:
             raise ValueError(
                 f"not a {type(self).__name__} state (keys {sorted(state_dict)}); the checkpoint was written by "
                 "another sampler: resume it with the lit_ddp version that wrote it, or start a new run"
             )
-        if int(state_dict[self._CONSUMED]) < 0:
-            raise ValueError(f"consumed={state_dict[self._CONSUMED]} must be >= 0")
+        if int(state_dict["consumed"]) < 0:
+            raise ValueError(f"consumed={state_dict['consumed']} must be >= 0")
         self._resume = dict(state_dict)
 
 

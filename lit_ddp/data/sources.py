@@ -1,8 +1,8 @@
-"""Where a text comes from: the copy of Tiny Shakespeare embedded in the package, a local path, or any
-fsspec URL (``https://``, ``s3://``, ``memory://``...), downloaded once into a sha256-checked cache.
+"""Where a text comes from: the Tiny Shakespeare embedded in the package, a local path, or any fsspec URL
+(``https://``, ``s3://``...), downloaded once into a sha256-checked cache.
 
-Tiny Shakespeare (Karpathy's char-rnn ``tinyshakespeare/input.txt``, 1,115,394 bytes) ships gzipped inside
-the package, so training and the tests need no network. ``$LIT_DDP_DATA`` (a path or URL) overrides it.
+Tiny Shakespeare (Karpathy's char-rnn ``tinyshakespeare/input.txt``, 1,115,394 bytes) ships gzipped inside the
+package, so training and the tests need no network. ``$LIT_DDP_DATA`` (a path or URL) overrides it.
 """
 
 from __future__ import annotations
@@ -19,13 +19,10 @@ import fsspec
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 TINY_SHAKESPEARE_BYTES = 1_115_394
-EMBEDDED_TEXT = "tinyshakespeare.txt.gz"
-"""Package data of :mod:`lit_ddp.data`: Tiny Shakespeare, gzipped (434 KB)."""
-DATA_ENV = "LIT_DDP_DATA"
-"""Environment variable (a path or URL) that overrides the embedded text; ``make train DATA=...`` sets it."""
+EMBEDDED_TEXT = "tinyshakespeare.txt.gz"  # package data of lit_ddp.data (434 KB)
+DATA_ENV = "LIT_DDP_DATA"  # a path or URL that replaces the embedded text; `make train DATA=...` sets it
 DEFAULT_CACHE_DIR = "~/.cache/lit_ddp"
-EMBEDDED = "embedded"
-"""The source name of the Tiny Shakespeare copy inside the package."""
+EMBEDDED = "embedded"  # the source name of the embedded text
 
 
 def sha256_of(path: str | Path) -> str:
@@ -38,16 +35,12 @@ def sha256_of(path: str | Path) -> str:
 
 
 def is_url(source: str) -> bool:
-    """True for fsspec URLs (``https://``, ``s3://``, ``file://``, ``memory://``...), False for plain paths."""
+    """True for fsspec URLs (``https://``, ``s3://``, ``memory://``...), False for plain paths."""
     return "://" in source
 
 
 def read_embedded_text() -> str:
-    """The embedded Tiny Shakespeare (1,115,394 bytes of UTF-8), checked against its sha256.
-
-    Raises:
-        ValueError: the package's copy is damaged (sha256 mismatch); reinstall the package.
-    """
+    """The embedded Tiny Shakespeare, checked against its sha256 (ValueError if damaged: reinstall)."""
     data = gzip.decompress(resources.files("lit_ddp.data").joinpath(EMBEDDED_TEXT).read_bytes())
     if (got := hashlib.sha256(data).hexdigest()) != TINY_SHAKESPEARE_SHA256:
         raise ValueError(f"the embedded {EMBEDDED_TEXT} is damaged (sha256 {got}); reinstall lit_ddp")
@@ -55,19 +48,11 @@ def read_embedded_text() -> str:
 
 
 def download(url: str, cache_dir: str | Path, sha256: str | None = None) -> Path:
-    """Copies ``url`` (any fsspec URL) into ``cache_dir`` once and returns the local path.
-
-    The file is named after a hash of the URL; a download goes to a temporary name and is renamed when
-    complete and verified, so a crash never leaves a partial file under the final name. An existing cached
-    file is reused without network access.
-
-    Args:
-        url: where the text lives.
-        cache_dir: local directory; created if missing.
-        sha256: expected hex sha256 of the file; None skips the check.
+    """The local copy of ``url`` in ``cache_dir``, downloaded once: to a temporary name, renamed when complete
+    and verified, so a crash never leaves a partial file under the final name.
 
     Raises:
-        ValueError: the downloaded (or cached) file's sha256 differs from ``sha256``.
+        ValueError: the downloaded (or cached) file's sha256 differs from ``sha256`` (None: not checked).
     """
     cache = Path(os.path.expanduser(str(cache_dir)))
     cache.mkdir(parents=True, exist_ok=True)
@@ -75,9 +60,7 @@ def download(url: str, cache_dir: str | Path, sha256: str | None = None) -> Path
     target = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
     if not target.exists():
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        from lightning.pytorch.utilities import rank_zero_info  # here: importing Lightning takes seconds
-
-        rank_zero_info(f"Downloading {url} to {target}")
+        print(f"Downloading {url} to {target}", flush=True)  # local rank zero only (prepare_data)
         try:
             with fsspec.open(url, "rb") as src, open(tmp, "wb") as dst:
                 for chunk in iter(lambda: src.read(1 << 20), b""):
@@ -93,12 +76,7 @@ def download(url: str, cache_dir: str | Path, sha256: str | None = None) -> Path
 
 
 def check_local_text(path: str | Path) -> Path:
-    """``path`` (``~`` expanded) if it is a readable file.
-
-    Raises:
-        FileNotFoundError: nothing exists at ``path``.
-        IsADirectoryError: ``path`` is a directory (the message says so: give the text file inside it).
-    """
+    """``path`` (``~`` expanded) if it is a file; FileNotFoundError or IsADirectoryError naming it otherwise."""
     p = Path(os.path.expanduser(str(path)))
     if p.is_dir():
         raise IsADirectoryError(f"data path {p} is a directory; give the text file itself (e.g. {p}/input.txt)")
@@ -111,12 +89,9 @@ def check_local_text(path: str | Path) -> Path:
 
 
 class TextSource:
-    """Where a DataModule's text comes from: ``path`` (a local path or fsspec URL), else ``$LIT_DDP_DATA``, else
-    the embedded Tiny Shakespeare; checked against ``sha256`` where one is given or known.
-
-    Raises:
-        FileNotFoundError, IsADirectoryError: a bad local path (at construction, before any process starts).
-    """
+    """A DataModule's text: ``path`` (local or fsspec URL), else ``$LIT_DDP_DATA``, else the embedded Tiny
+    Shakespeare, checked against ``sha256`` where given or known. A bad local path raises FileNotFoundError or
+    IsADirectoryError at construction, before any process starts."""
 
     def __init__(self, path: str | None = None, sha256: str | None = None, cache_dir: str = DEFAULT_CACHE_DIR) -> None:
         self.source = path or os.environ.get(DATA_ENV) or EMBEDDED
@@ -127,12 +102,7 @@ class TextSource:
             check_local_text(self.source)
 
     def local_path(self) -> Path | None:
-        """The local file holding the text (a URL's cache file, downloaded if missing), sha256-checked where a
-        checksum is known; None for the embedded text.
-
-        Raises:
-            ValueError: a sha256 mismatch.
-        """
+        """The local file (a URL's cache file, downloaded if missing), sha256-checked; None for the embedded text."""
         if self.source == EMBEDDED:
             return None
         if is_url(self.source):

@@ -1,41 +1,28 @@
-"""A character-level GPT in plain PyTorch (no Lightning): config, presets, blocks, model, sampling, FLOPs.
+"""A character-level GPT in plain PyTorch: config, presets, blocks, model, sampling, FLOPs. Architecture only;
+how it is trained is :mod:`lit_ddp.recipe`.
 
-Architecture only; how it is trained (parameter groups, optimizers, schedule) is :mod:`lit_ddp.recipe`.
+Sources: Karpathy's nanoGPT ``model.py`` (structure, GPT-2 init, ``generate``) and minGPT (presets), MIT; the DDP
+tutorial's ``minGPT-ddp/mingpt/model.py`` (its sizes). Optional changes, all off by default (then this is GPT-2 bit
+for bit), from the NanoGPT speedrun's record log (github.com/KellerJordan/modded-nanogpt, "World record history"):
+``rope`` (record 2), ``qk_norm``, ``activation="relu2"``, ``zero_init_proj`` (record 5), ``tie_weights=False``
+(record 8); papers at each ``GPTConfig`` field.
 
-Sources: Andrej Karpathy's nanoGPT ``model.py`` (structure, GPT-2 initialization, ``generate``) and minGPT
-(named presets), both MIT-licensed; the PyTorch DDP tutorial's ``minGPT-ddp/mingpt/model.py`` for the
-tutorial's sizes.
+The tutorial's model adds a float 0/1 ``tril`` mask to the attention scores, which blocks nothing: it sees the
+future. Here ``F.scaled_dot_product_attention(is_causal=True)``: position ``t`` attends to positions ``<= t``.
 
-Optional changes, all off by default (then the model is the GPT-2 one above, bit for bit), each credited by
-the NanoGPT speedrun's record log (github.com/KellerJordan/modded-nanogpt, README "World record
-history", records numbered as there): rotary position embeddings (``rope``; record 2, 06/06/24), QK-norm
-(``qk_norm``), ReLU² (``activation="relu2"``) and zero-initialized projections (``zero_init_proj``; all
-three record 5, 10/14/24) and an untied head (``tie_weights=False``; record 8, 11/03/24). The papers are
-named at each ``GPTConfig`` field. The speedrun's Muon optimizer (records 3-4) is in :mod:`lit_ddp.recipe`.
-
-The tutorial's model passes a float 0/1 ``tril`` mask to ``nn.MultiheadAttention``. A float mask is *added*
-to the attention scores, so the future is not blocked (it gets +0, the past +1) and that model sees future
-tokens. Here attention goes through ``F.scaled_dot_product_attention(is_causal=True)``: position ``t`` only
-attends to positions ``<= t`` (``tests/test_gpt_model.py`` checks it).
-
-Shape legend::
-
-    B   batch size                      T   sequence length (<= block_size)
-    C   embedding width (n_embd)        nh  attention heads (n_head)
-    hs  head size (C // nh)             V   vocabulary size
+Shape legend: B batch, T sequence (<= block_size), C n_embd, nh n_head, hs head size C // nh, V vocab_size.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Named sizes (n_layer, n_head, n_embd). gpt-nano/micro/mini are minGPT's; "tutorial" is the DDP tutorial's
-# gpt2_train_cfg.yaml.
+# (n_layer, n_head, n_embd): minGPT's gpt-nano/micro/mini; "tutorial" is the DDP tutorial's gpt2_train_cfg.yaml.
 PRESETS: dict[str, dict[str, int]] = {
     "gpt-nano": {"n_layer": 3, "n_head": 3, "n_embd": 48},
     "gpt-micro": {"n_layer": 4, "n_head": 4, "n_embd": 128},
@@ -60,31 +47,23 @@ class GPTConfig:
     n_embd: int = 48
     """Embedding width C."""
     block_size: int = 128
-    """Longest context, in tokens (positions of the learned position embedding)."""
+    """Longest context T, in tokens."""
     vocab_size: int = 65
-    """Number of token ids V (Tiny Shakespeare has 65 distinct characters)."""
+    """Token ids V (Tiny Shakespeare has 65 distinct characters)."""
     dropout: float = 0.0
-    """Dropout probability on embeddings, attention weights and residual branches."""
+    """Dropout on embeddings, attention weights and residual branches."""
     bias: bool = True
-    """Biases in Linear and LayerNorm layers (GPT-2 has them; False is slightly faster)."""
+    """Biases in Linear and LayerNorm layers (GPT-2 has them)."""
     rope: bool = False
-    """Rotary position embeddings: q and k of every head are rotated by position-dependent angles, so scores
-    depend on relative positions, and there is no learned position embedding ``wpe`` (Su et al., "RoFormer",
-    arXiv:2104.09864; speedrun record 2). Needs an even head size."""
+    """Rotary position embeddings instead of the learned ``wpe`` (Su et al., "RoFormer", arXiv:2104.09864)."""
     qk_norm: bool = False
-    """RMSNorm of q and k of every head before attention, with a learned gain per head dimension (Henry et
-    al., "Query-Key Normalization for Transformers", arXiv:2010.04245; Dehghani et al., arXiv:2302.05442;
-    speedrun record 5, there without the gain)."""
+    """RMSNorm of each head's q and k, with a learned gain (Henry et al., arXiv:2010.04245)."""
     activation: str = "gelu"
-    """MLP nonlinearity: ``"gelu"`` (GPT-2) or ``"relu2"``, ``relu(x)**2`` (So et al., "Primer",
-    arXiv:2109.08668; speedrun record 5)."""
+    """MLP nonlinearity: ``"gelu"`` (GPT-2) or ``"relu2"``, ``relu(x)**2`` (So et al., "Primer", arXiv:2109.08668)."""
     tie_weights: bool = True
-    """The output head shares its weight with the token embedding (GPT-2, "Using the Output Embedding to
-    Improve Language Models", Press & Wolf, arXiv:1608.05859); False gives the head its own weight (speedrun
-    record 8)."""
+    """The head shares the token embedding's weight (Press & Wolf, arXiv:1608.05859); False unties it."""
     zero_init_proj: bool = False
-    """The residual branches' output projections (``*.c_proj.weight``) start at zero, so every block starts
-    as the identity; with ``tie_weights=False`` the head starts at zero too (speedrun records 5 and 8)."""
+    """Residual output projections (``*.c_proj.weight``), and an untied head, start at zero."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -101,30 +80,16 @@ class GPTConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: int | float | bool | str) -> GPTConfig:
-        """A config from a named preset (``gpt-nano``, ``gpt-micro``, ``gpt-mini``, ``tutorial``) and overrides.
-
-        Raises:
-            ValueError: an unknown preset name or override key.
-        """
+        """A named preset's config (``gpt-nano``, ``gpt-micro``, ``gpt-mini``, ``tutorial``) with ``overrides``;
+        ValueError for an unknown preset."""
         if name not in PRESETS:
             raise ValueError(f"unknown GPT preset {name!r}; known: {sorted(PRESETS)}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"unknown GPTConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**PRESETS[name], **overrides})  # type: ignore[arg-type]  # the fields check their types
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (RoFormer): rotates pairs of head dimensions ``(i, i + hs/2)`` of a query or
-    key at position ``t`` by the angle ``t * base**(-2i/hs)``. The tables are buffers left out of the
-    state_dict (they follow from the sizes).
-
-    Args:
-        head_size: hs, even.
-        max_len: longest sequence (``block_size``).
-        base: wavelength base (RoFormer's 10000).
-    """
+    """RoFormer's rotation of head dimensions ``(i, i + hs/2)`` at position ``t`` by ``t * base**(-2i/hs)``, for
+    an even ``head_size`` and up to ``max_len`` positions; the tables are buffers outside the state_dict."""
 
     def __init__(self, head_size: int, max_len: int, base: float = 10000.0) -> None:
         super().__init__()
@@ -216,16 +181,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-2 style decoder-only transformer over token ids.
-
-    Weights are initialized as in GPT-2: normal(0, 0.02) for Linear and Embedding weights, zero biases,
-    and the residual projections (``*.c_proj.weight``) scaled down to std ``0.02 / sqrt(2 * n_layer)``
-    (zero with ``zero_init_proj``). The output head shares its weight with the token embedding (weight
-    tying) unless ``tie_weights`` is False.
-
-    Args:
-        config: the sizes.
-    """
+    """A GPT-2 style decoder-only transformer over token ids, initialized as GPT-2: normal(0, 0.02) weights, zero
+    biases, residual projections (``*.c_proj.weight``) at std ``0.02 / sqrt(2 * n_layer)``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -270,24 +227,16 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs (forward + backward) per token at context ``seq_len`` (default ``block_size``).
-
-        nanoGPT's estimate (PaLM paper, appendix B): ``6 N + 12 L C T`` with N the non-embedding parameters.
-        """
+        """Training FLOPs (forward + backward) per token at context ``seq_len`` (default ``block_size``): nanoGPT's
+        ``6 N + 12 L C T`` (PaLM, appendix B), N the non-embedding parameters."""
         T = seq_len or self.config.block_size
         return 6 * self.num_parameters() + 12 * self.config.n_layer * self.config.n_embd * T
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for every position, and the mean cross-entropy against ``targets`` if given.
-
-        Args:
-            idx: token ids ``(B, T)``, int64, with ``T <= block_size``.
-            targets: the next token at every position ``(B, T)``, or None. Id ``-1`` is ignored.
-
-        Returns:
-            ``(logits (B, T, V), loss)``; ``loss`` is a scalar in nats per token, or None without targets.
+        """``idx (B, T)`` int64 ids, ``T <= block_size`` -> ``(logits (B, T, V), loss)``: the mean cross-entropy
+        in nats per token against ``targets (B, T)`` (id -1 ignored), or None without targets.
 
         Raises:
             ValueError: ``T`` longer than ``block_size``.
@@ -318,18 +267,9 @@ class GPT(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Samples ``max_new_tokens`` tokens after ``idx``, feeding each back in (the last ``block_size``
-        tokens are the context). Call ``eval()`` first for dropout-free sampling.
-
-        Args:
-            idx: prompt token ids ``(B, T)``, ``T >= 1``.
-            max_new_tokens: tokens to append, ``>= 0``.
-            temperature: divides the logits; ``0`` means greedy (argmax).
-            top_k: sample only among the ``top_k`` most likely tokens; None for all.
-            generator: random source for sampling (for reproducible samples).
-
-        Returns:
-            ``(B, T + max_new_tokens)``: the prompt followed by the sampled ids.
+        """``idx (B, T) -> (B, T + max_new_tokens)``: the prompt followed by sampled ids, each fed back in (the
+        last ``block_size`` are the context). ``temperature`` divides the logits (0: greedy); ``top_k`` keeps the
+        most likely; ``generator`` makes samples reproducible. Call ``eval()`` first for dropout-free sampling.
 
         Raises:
             ValueError: negative ``max_new_tokens`` or ``temperature``, ``top_k < 1``, or an empty prompt.
