@@ -161,11 +161,12 @@ class CharDataModule(LightningDataModule):
         assert self.train_set is not None, "train_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
         # The sampler gives this rank its shard and resumes exactly (Lightning's own wrapper loses its state).
+        # Keyword arguments: under DDP Lightning rebuilds the loader from them.
         sampler = resumable_sampler(self.train_set)
         return StatefulDataLoader(
-            self.train_set, hp.batch_size, sampler=sampler, drop_last=True, num_workers=hp.num_workers
+            self.train_set, batch_size=hp.batch_size, sampler=sampler, drop_last=True, num_workers=hp.num_workers
         )
 
     def val_dataloader(self) -> StatefulDataLoader:
         hp = cast(Any, self.hparams)
-        return StatefulDataLoader(self.val_set, hp.batch_size, shuffle=False, num_workers=hp.num_workers)
+        return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)

@@ -1,0 +1,67 @@
+"""lit_ddp.launch.reporting: which failures print one line and which keep their traceback, and their exit codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_ddp.launch import reporting
+from lit_ddp.launch.errors import NonFiniteLossError, Preempted, UsageError
+
+
+def run_reported(fn, running: bool) -> int:
+    def wrapped():
+        if running:
+            reporting.mark_running()
+        fn()
+
+    with pytest.raises(SystemExit) as exc:
+        reporting.report(wrapped)
+    return int(exc.value.code)
+
+
+def torch_value_error() -> None:
+    F.cross_entropy(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))  # torch raises ValueError
+
+
+def our_bad_value() -> None:
+    from lit_ddp.data.char import CharDataModule
+
+    CharDataModule(block_size=0)
+
+
+def test_a_torch_value_error_during_fit_keeps_its_traceback(capsys: pytest.CaptureFixture) -> None:
+    assert run_reported(torch_value_error, running=True) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "cross_entropy" in err
+    assert err.strip().splitlines()[-1].startswith("lit-ddp: error: rank 0 on ")
+
+
+def test_our_own_bad_value_during_fit_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert run_reported(our_bad_value, running=True) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "block_size=0 must be a positive integer" in err
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_errors_carry_their_exit_code(capsys: pytest.CaptureFixture, running: bool) -> None:
+    def usage() -> None:
+        raise UsageError("bad value")
+
+    def nan() -> None:
+        raise NonFiniteLossError("loss became nan")
+
+    assert run_reported(usage, running) == 2
+    assert run_reported(nan, running) == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_preempted_exits_128_plus_signal(capsys: pytest.CaptureFixture) -> None:
+    import signal
+
+    def preempted() -> None:
+        raise Preempted(signal.SIGTERM, "run/hpc_ckpt_1.ckpt", requeued=False)
+
+    assert run_reported(preempted, running=True) == 143
+    assert "stopped by SIGTERM" in capsys.readouterr().err
