@@ -36,9 +36,9 @@ format: venv
 test: venv lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Only the quick tests (no slow / multiprocess / slurm markers).
+# Only the unit tests (tests/unit: none carries a slow / multiprocess / slurm marker; tests/conftest.py checks).
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow and not multiprocess and not slurm" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # What checkpointing costs per step (synchronous vs asynchronous saves).
 bench: venv

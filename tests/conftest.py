@@ -1,9 +1,15 @@
 """Fixtures shared by the tests: the packaged Tiny Shakespeare as a local file, a runner of subprocesses that
-leaves no process behind, and the recorder callbacks' YAML fragments."""
+leaves no process behind, the recorder callbacks' YAML fragments, and the seed of a random test (printed, and
+replayed from ``$LIT_DDP_TEST_SEED``).
+
+Hooks: a test's place says what it is (``tests/unit``: no ``slow`` / ``multiprocess`` / ``slurm`` marker;
+``tests/system``: at least one), checked at collection; the terminal summary repeats the seed of each failed
+random test."""
 
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,20 @@ def tiny_shakespeare(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("data") / "tinyshakespeare.txt"
     path.write_text(read_embedded_text(), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="module")
+def regression_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of a 3-epoch one-process regression fit, in process (once per test module), logging
+    every 5 steps: what the TensorBoard tests read."""
+    from lit_ddp.cli import cli_main
+
+    root = tmp_path_factory.mktemp("regression")
+    cli_main(
+        ["fit", *helpers.compose("regression/single_device"), *helpers.QUIET]
+        + ["--trainer.default_root_dir", str(root), "--trainer.max_epochs", "3", "--trainer.log_every_n_steps", "5"]
+    )
+    return root
 
 
 @pytest.fixture
@@ -61,3 +81,55 @@ def callbacks_config(tmp_path: Path) -> Callable[..., Path]:
         return helpers.write_callbacks_config(tmp_path / f"{name}.yaml", *callbacks)
 
     return make
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """The seed of a test that draws random delays, moments or values: ``$LIT_DDP_TEST_SEED`` when set (to replay
+    a run), else a fresh one. Printed (pytest shows it with a failure's captured output), kept in the test's
+    ``user_properties`` (JUnit XML) and repeated in the terminal summary when the test fails. Draw from
+    ``random.Random(seed)`` (or ``torch.manual_seed(seed)``), never from the global ``random`` module."""
+    given = os.environ.get(helpers.SEED_ENV)
+    value = int(given) if given else random.SystemRandom().randrange(2**32)
+    print(f"seed={value} (replay: {replay_command(value, request.node.nodeid)})")
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+def replay_command(seed: int, nodeid: str) -> str:
+    return f"{helpers.SEED_ENV}={seed} pytest '{nodeid}'"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """After the failures: ``seed=N (replay: ...)`` for each failed test that took the ``seed`` fixture."""
+    lines = []
+    for report in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", []):
+        for name, value in getattr(report, "user_properties", ()):
+            if name == "seed":
+                lines.append(f"{report.nodeid}: seed={value} (replay: {replay_command(value, report.nodeid)})")
+    if lines:
+        terminalreporter.write_sep("=", "seeds of failed random tests")
+        for line in dict.fromkeys(lines):  # a test failing in setup and teardown is reported twice
+            terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Unit tests (``tests/unit``) carry none of :data:`tests.helpers.SYSTEM_MARKERS`; system tests
+    (``tests/system``) at least one; no test lives elsewhere. Checked before ``-m`` deselects anything."""
+    here = Path(__file__).resolve().parent
+    wrong = []
+    for item in items:
+        try:
+            part = item.path.resolve().relative_to(here).parts[0]
+        except ValueError:
+            continue  # not one of these tests
+        marks = {m.name for m in item.iter_markers()} & set(helpers.SYSTEM_MARKERS)
+        if part == "unit" and marks:
+            wrong.append(f"{item.nodeid}: a unit test marked {sorted(marks)}: move it to tests/system/")
+        elif part == "system" and not marks:
+            wrong.append(f"{item.nodeid}: a system test without a marker of {list(helpers.SYSTEM_MARKERS)}")
+        elif part not in ("unit", "system"):
+            wrong.append(f"{item.nodeid}: put it in tests/unit/ (unmarked) or tests/system/ (marked)")
+    if wrong:
+        raise pytest.UsageError("tests in the wrong place:\n  " + "\n  ".join(wrong))

@@ -15,10 +15,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "lit_ddp"
 CONFIGS = REPO / "configs"
+NOTEBOOK_DIR = REPO / "notebooks"
+# Files the tests read: the recorded reference losses (tests/system/test_reference_losses.py rewrites them).
+TEST_DATA = Path(__file__).resolve().parent / "data"
+# The markers of the tests under tests/system (each has at least one; a test under tests/unit has none).
+SYSTEM_MARKERS = ("slow", "multiprocess", "slurm")
+# The environment variable that replays a random test: its seed (the ``seed`` fixture, tests/conftest.py).
+SEED_ENV = "LIT_DDP_TEST_SEED"
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 # A tiny GPT and a small slice of text: seconds per run on 2 cores.
 TINY_GPT_ARGS = [
@@ -30,6 +39,8 @@ TINY_GPT_ARGS = [
     "--data.init_args.truncate", "0.02",
     *QUIET,
 ]  # fmt: skip
+# A short text of a few characters, for the data modules' tests (tests/unit/data).
+SHORT_TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
 # Environment variables of a launcher that a child process must not inherit from the test's own environment.
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
@@ -45,6 +56,28 @@ def compose(*names: str) -> list[str]:
     """``--config`` arguments composing ``configs/<name>.yaml`` in order (later ones override earlier ones), as
     the README composes them: ``compose("trainer/ddp", "regression/ddp")``."""
     return [arg for name in names for arg in ("--config", config(name))]
+
+
+# What slurm/train.sbatch composes before the step config it is given, and the step config: srun by hand.
+SRUN_CONFIGS = compose("trainer/ddp", "trainer/slurm", "regression/slurm")
+SLURM_PLUGIN = [{"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment"}]
+# A fake environment for the launch checks: task 0 of `srun -J train -N1 --ntasks-per-node=2`.
+SRUN_2 = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_NNODES": "1",
+    "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_PROCID": "0",
+}
+
+
+def without(env: Mapping[str, str], *keys: str) -> dict[str, str]:
+    """``env`` less ``keys``."""
+    return {k: v for k, v in env.items() if k not in keys}
 
 
 def lit_ddp(*args: str) -> list[str]:
@@ -182,6 +215,20 @@ class Runner:
             if proc.stdout is not None:
                 proc.stdout.close()
             proc.wait(timeout=30)
+
+
+def usage_error(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """The one ``lit-ddp: error:`` line of an in-process CLI call (``lit_ddp.cli.cli_main(args)``) that must stop
+    with status 2 before anything starts, without a traceback."""
+    from lit_ddp.cli import cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(list(args))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-2000:]
+    assert "Traceback" not in err
+    [line] = [line for line in err.splitlines() if line.startswith("lit-ddp: error:")]
+    return line
 
 
 def callback(cls: type, **init_args: Any) -> tuple[str, dict[str, Any]]:

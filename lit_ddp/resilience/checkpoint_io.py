@@ -27,7 +27,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     transaction writes to ``tempfile.mkstemp()`` (in ``$TMPDIR``, not beside the target) and then
     ``shutil.move``s it: a rename when ``$TMPDIR`` is on the target's filesystem, but a plain copy onto the
     target when it is not (``/tmp`` on tmpfs, a network run directory), and a process killed during that
-    copy leaves a truncated checkpoint in place of the previous one (``tests/test_fault_tolerance_atomic.py``
+    copy leaves a truncated checkpoint in place of the previous one (``tests/system/test_fault_tolerance_atomic.py``
     shows it). It also never fsyncs, and a killed writer leaks its temporary file in ``$TMPDIR``.
 
     Here a local file is written to a hidden temporary file in the target's own directory

@@ -1,6 +1,9 @@
-"""Faults at moments nobody chose, on one rank: signals and kills at random times, ranks that disagree on the
-resume point, checkpoints whose file times lie, an exception on one rank, and the bad inputs that used to end
-in a traceback."""
+"""Faults at moments nobody chose, on one rank: signals and kills at random times (drawn from the ``seed``
+fixture: ``LIT_DDP_TEST_SEED=N`` replays them), ranks that disagree on the resume point, an exception on one
+rank. Their fast counterparts are unit tests: checkpoints whose file times lie
+(``tests/unit/resilience/test_resume.py``), the SIGTERM broadcast (``tests/unit/resilience/test_preemption.py``),
+and the bad inputs that used to end in a traceback (``tests/unit/launch/test_preflight.py``,
+``tests/unit/data/test_sources.py``)."""
 
 from __future__ import annotations
 
@@ -14,15 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback
 
-from lit_ddp import compat
-from lit_ddp.resilience import preemption
-from lit_ddp.resilience.resume import checkpoint_step, find_resume_checkpoint
+from lit_ddp.resilience.resume import checkpoint_step
 from tests import helpers
 from tests.helpers import QUIET, compose, load_records, torchrun
-from tests.test_fault_tolerance import assert_same_params, mingpt_args, regression_args
+from tests.system.test_fault_tolerance import assert_same_params, mingpt_args, regression_args
 
 STARTED = "Starting with 2 processes"  # Lightning's line once every rank has joined the process group
 
@@ -95,21 +95,6 @@ def text(tmp_path: Path) -> Path:
     return path
 
 
-def test_lightnings_per_step_sigterm_broadcast_goes_when_we_own_sigterm() -> None:
-    """Lightning 2.6 broadcasts a SIGTERM flag before every step (blocking); once PreemptionCheckpoint's handler
-    owns SIGTERM that flag can never be set, so the broadcast is turned off, and only then."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
-    try:
-        for handle_sigterm in (True, False):
-            trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-            preemption.PreemptionCheckpoint(handle_sigterm=handle_sigterm).on_train_start(trainer, None)
-            turned_off = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is compat._no_sigterm_broadcast
-            assert turned_off is handle_sigterm
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-
-
 # ---- torchrun: random SIGKILLs, a SIGTERM to the agent
 
 
@@ -118,7 +103,7 @@ def test_lightnings_per_step_sigterm_broadcast_goes_when_we_own_sigterm() -> Non
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("task", "steps", "repeats"), [("regression", 800, 3), ("mingpt", 400, 2)])
 def test_torchrun_random_kills_end_exact_and_exit_zero(
-    task: str, steps: int, repeats: int, tmp_path: Path, runner: helpers.Runner, recorder, text: Path
+    task: str, steps: int, repeats: int, tmp_path: Path, runner: helpers.Runner, recorder, text: Path, seed: int
 ) -> None:
     """Three SIGKILLs of a random worker at random moments: torchrun restarts the group each time, the run
     ends with status 0 on every process, bit-identical to an uninterrupted run; several times over."""
@@ -129,7 +114,7 @@ def test_torchrun_random_kills_end_exact_and_exit_zero(
     )
     assert out.returncode == 0, out.stdout[-3000:]
     reference = load_records(ref_rec)
-    rng = random.Random(int(os.environ.get("LIT_DDP_TEST_SEED", time.time_ns())))
+    rng = random.Random(seed)
     for attempt in range(repeats):
         cb, rec = recorder(f"run{attempt}")
         root = tmp_path / f"run{attempt}"
@@ -154,7 +139,7 @@ def test_torchrun_random_kills_end_exact_and_exit_zero(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_sigterm_to_torchrun_saves_fails_and_resumes_exactly(
-    tmp_path: Path, runner: helpers.Runner, recorder, text: Path
+    tmp_path: Path, runner: helpers.Runner, recorder, text: Path, seed: int
 ) -> None:
     """SIGTERM to the torchrun agent mid-run: the workers save at an agreed step boundary (within about two
     seconds), the job exits with a failure status, and re-running the command resumes from that checkpoint and
@@ -172,7 +157,7 @@ def test_sigterm_to_torchrun_saves_fails_and_resumes_exactly(
     cmd = torchrun_cmd(*args, "--config", str(cb), "--trainer.default_root_dir", str(root))
     watched = Watched(runner.start(cmd))
     assert watched.wait_for(STARTED, 1, 120), watched.output[-3000:]
-    time.sleep(random.uniform(1.0, 3.0))
+    time.sleep(random.Random(seed).uniform(1.0, 3.0))
     watched.proc.send_signal(signal.SIGTERM)  # the agent: torchrun forwards SIGTERM to its workers
     code = watched.finish(120)
     assert code != 0, watched.output[-3000:]
@@ -187,39 +172,12 @@ def test_sigterm_to_torchrun_saves_fails_and_resumes_exactly(
 # ---- the resume point
 
 
-def save_steps(directory: Path, steps: dict[str, int]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, step in steps.items():
-        torch.save({"global_step": step, "epoch": 0}, directory / name)
-
-
-def test_resume_order_is_by_recorded_step_not_file_time(tmp_path: Path) -> None:
-    """Copied run directories and 1-second object-store times reorder files; the recorded step does not."""
-    run = tmp_path / "run"
-    save_steps(run / "checkpoints", {"epoch=0-step=9.ckpt": 9, "epoch=0-step=12.ckpt": 12, "last.ckpt": 12})
-    save_steps(run, {"hpc_ckpt_9.ckpt": 9, "hpc_ckpt_10.ckpt": 10})
-    now = time.time()
-    for age, path in enumerate(sorted(run.rglob("*.ckpt"), reverse=True)):  # step=9 newest, last.ckpt oldest
-        os.utime(path, (now - age, now - age))
-    assert find_resume_checkpoint(str(run)) == str(run / "checkpoints" / "last.ckpt")
-    copy = tmp_path / "copy"
-    shutil.copytree(run, copy, copy_function=shutil.copy)  # new, nearly equal times
-    for path in copy.rglob("*.ckpt"):
-        os.utime(path, (now, now))
-    assert find_resume_checkpoint(str(copy)) == str(copy / "checkpoints" / "last.ckpt")
-    (copy / "checkpoints" / "last.ckpt").unlink()
-    assert find_resume_checkpoint(str(copy)) == str(copy / "checkpoints" / "epoch=0-step=12.ckpt")
-    for name in ("epoch=0-step=12.ckpt",):
-        (copy / "checkpoints" / name).unlink()
-    assert find_resume_checkpoint(str(copy)) == str(copy / "hpc_ckpt_10.ckpt"), "hpc_ckpt_10 beats hpc_ckpt_9"
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_ranks_that_see_different_checkpoints_stop(tmp_path: Path, runner: helpers.Runner) -> None:
-    """Each rank runs in its own directory (``tests/rank_cwd.py``), as on nodes without shared storage: rank 1
-    cannot read the checkpoint rank 0 chose, so both stop before any step, naming the path and rank 1."""
+    """Each rank runs in its own directory (``tests/system/rank_cwd.py``), as on nodes without shared storage:
+    rank 1 cannot read the checkpoint rank 0 chose, so both stop before any step, naming the path and rank 1."""
     args = [*regression_args(20, 10), "--trainer.default_root_dir", "run"]
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -232,7 +190,7 @@ def test_ranks_that_see_different_checkpoints_stop(tmp_path: Path, runner: helpe
         if checkpoint_step(str(path)) >= 20:
             path.unlink()  # rank 1's "node" lags behind: its newest checkpoint is step 10
     before = {p: p.stat().st_mtime_ns for p in (node0 / "run").rglob("*.ckpt")}
-    cmd = torchrun("--standalone", "--nproc_per_node", "2", "-m", "tests.rank_cwd", "fit", *args)
+    cmd = torchrun("--standalone", "--nproc_per_node", "2", "-m", "tests.system.rank_cwd", "fit", *args)
     out = runner.run(cmd, 200, cwd=tmp_path, LIT_DDP_RANK_DIRS=f"{node0},{node1}")
     assert out.returncode != 0
     assert "rank 0 chose to resume from run/checkpoints/last.ckpt, which rank 1 on" in out.stdout, out.stdout[-3000:]
@@ -278,58 +236,3 @@ def test_exception_on_rank_1_ends_the_run_quickly(tmp_path: Path, runner: helper
     last = out.stdout.strip().splitlines()[-3:]
     assert any("injected failure" in line or "rank 1" in line for line in last), last
     assert out.stdout.count("Traceback") == 1, "only the failing rank prints a traceback"
-
-
-# ---- bad inputs
-
-
-@pytest.fixture(scope="module")
-def regression_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A regression checkpoint written with learning_rate 0.05 (one epoch, one process)."""
-    from lit_ddp.cli import cli_main
-
-    root = tmp_path_factory.mktemp("regression")
-    cli_main(["fit", *compose("regression/single_device"), "--trainer.max_epochs", "1", *QUIET,
-              "--model.init_args.learning_rate", "0.05", "--trainer.default_root_dir", str(root)])  # fmt: skip
-    return root / "checkpoints" / "last.ckpt"
-
-
-def usage_error(capsys: pytest.CaptureFixture, *args: str) -> str:
-    """The one ``lit-ddp: error:`` line of a CLI call that must stop with status 2 before anything starts."""
-    from lit_ddp.cli import cli_main
-
-    with pytest.raises(SystemExit) as exc:
-        cli_main(list(args))
-    err = capsys.readouterr().err
-    assert exc.value.code == 2, err[-2000:]
-    assert "Traceback" not in err
-    [line] = [line for line in err.splitlines() if line.startswith("lit-ddp: error:")]
-    return line
-
-
-def test_checkpoint_of_another_task_is_refused(regression_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
-    line = usage_error(capsys, "fit", *compose("trainer/ddp", "mingpt/cpu"), "--ckpt_path", str(regression_checkpoint))
-    assert "lit_ddp.tasks.regression.RegressionModule" in line and "lit_ddp.tasks.mingpt.GPTModule" in line
-
-
-def test_restored_hyperparameter_that_replaces_a_given_value_is_named(
-    regression_checkpoint: Path, tmp_path: Path
-) -> None:
-    from lit_ddp.cli import cli_main
-
-    with pytest.warns(UserWarning, match=r"model.init_args.learning_rate=0.05 replaces the configured 0.001"):
-        cli_main(["fit", *compose("regression/single_device"), "--ckpt_path", str(regression_checkpoint),
-                  "--model.init_args.learning_rate", "0.001", "--trainer.max_epochs", "1", *QUIET,
-                  "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
-
-
-def test_malformed_yaml_names_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("trainer:\n  max_epochs: 3\n  devices: [1\n")
-    line = usage_error(capsys, "fit", *compose("trainer/ddp", "regression/ddp"), "--config", str(bad))
-    assert f"config {bad} is not valid YAML (line 4" in line
-
-
-def test_data_path_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    line = usage_error(capsys, "fit", *compose("trainer/ddp", "mingpt/cpu"), "--data.init_args.path", str(tmp_path))
-    assert f"data path {tmp_path} is a directory" in line

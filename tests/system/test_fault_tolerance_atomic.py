@@ -1,14 +1,14 @@
-"""Atomic checkpoint writes, and what resume does with corrupt checkpoints.
+"""Atomic checkpoint writes under SIGKILL, and what the CLI does with corrupt checkpoints.
 
 Lightning's ``_atomic_save`` is atomic only when ``$TMPDIR`` shares a filesystem with the checkpoint: the
 first test shows a kill during its cross-filesystem copy destroying the previous checkpoint. Our
 ``AtomicCheckpointIO`` writes beside the target and renames; a process SIGKILLed while writing (a real race,
-several times) leaves the previous checkpoint loadable.
+several times) leaves the previous checkpoint loadable. Which checkpoint a resume picks among valid and corrupt
+ones: ``tests/unit/resilience/test_resume.py``.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
-from lit_ddp.resilience.resume import NoValidCheckpointError, find_resume_checkpoint, is_valid_checkpoint
+from lit_ddp.resilience.resume import is_valid_checkpoint
 from tests.helpers import Runner, compose, wait
 
 OTHER_FS = Path("/dev/shm")
@@ -37,6 +37,7 @@ def start_python(runner: Runner, code: str, tmp: Path) -> subprocess.Popen:
     return runner.start([sys.executable, "-c", textwrap.dedent(code)], TMPDIR=tmpdir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_lightning_default_save_is_not_atomic_across_filesystems(tmp_path: Path, runner: Runner) -> None:
     """Lightning's fsspec transaction: temp file in $TMPDIR, then shutil.move = a copy onto the target when
@@ -62,6 +63,7 @@ def test_lightning_default_save_is_not_atomic_across_filesystems(tmp_path: Path,
         torch.load(path, weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_atomic_io_survives_kill_while_writing(tmp_path: Path, runner: Runner) -> None:
     """A process saving big checkpoints in a loop, SIGKILLed while its temporary file is being written (three
@@ -109,38 +111,7 @@ def test_atomic_io_survives_kill_while_writing(tmp_path: Path, runner: Runner) -
     assert torch.load(path, weights_only=True)["w"].shape == (1,)
 
 
-def _ckpt(path: Path, mtime: float, valid: bool = True) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"global_step": int(mtime)}, path)
-    if not valid:
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    os.utime(path, (mtime, mtime))
-    return path
-
-
-def test_truncated_last_falls_back_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    ckpts = tmp_path / "checkpoints"
-    _ckpt(ckpts / "epoch=0-step=4.ckpt", 1000)
-    good = _ckpt(ckpts / "epoch=0-step=8.ckpt", 2000)
-    _ckpt(ckpts / "last.ckpt", 3000, valid=False)
-    with caplog.at_level(logging.WARNING):
-        assert find_resume_checkpoint(str(tmp_path)) == str(good)
-    assert str(ckpts / "last.ckpt") in caplog.text
-
-
-def test_no_checkpoints_means_fresh_start(tmp_path: Path) -> None:
-    assert find_resume_checkpoint(str(tmp_path)) is None
-
-
-def test_garbage_only_is_a_clear_error(tmp_path: Path) -> None:
-    ckpts = tmp_path / "checkpoints"
-    ckpts.mkdir()
-    (ckpts / "last.ckpt").write_bytes(b"not a checkpoint")
-    _ckpt(ckpts / "epoch=0-step=4.ckpt", 1000, valid=False)
-    with pytest.raises(NoValidCheckpointError, match=r"None of the 2 checkpoint\(s\).*--ckpt_path"):
-        find_resume_checkpoint(str(tmp_path))
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_refuses_to_start_over_garbage(tmp_path: Path, runner: Runner) -> None:
     """``fit`` on a run directory holding only unreadable checkpoints stops instead of training from scratch."""

@@ -1,5 +1,5 @@
-"""The notebooks run top to bottom (nbclient, a real kernel, cwd = notebooks/) and compute what they claim;
-the committed notebooks carry no outputs.
+"""The notebooks run top to bottom (nbclient, a real kernel, cwd = notebooks/) and compute what they claim.
+(That the committed notebooks carry no outputs: ``tests/unit/test_notebooks.py``.)
 
 Each notebook writes its key numbers to ``$LIT_DDP_NOTEBOOK_OUT/<name>.json``; the tests read them back.
 """
@@ -14,22 +14,9 @@ import pytest
 from nbclient import NotebookClient
 
 from lit_ddp.data.sources import DATA_ENV
-from tests.helpers import LAUNCH_ENV, REPO
+from tests.helpers import LAUNCH_ENV, NOTEBOOK_DIR
 
-NOTEBOOK_DIR = REPO / "notebooks"
-NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT = 240  # seconds per cell; the whole notebook is bounded by each test's pytest timeout
-
-
-def test_notebooks_are_committed_without_outputs() -> None:
-    assert [p.name for p in NOTEBOOKS] == ["01_what_is_ddp.ipynb", "02_regression_ddp.ipynb", "03_mingpt.ipynb"]
-    for path in NOTEBOOKS:
-        nb = nbformat.read(path, as_version=4)
-        nbformat.validate(nb)
-        for i, cell in enumerate(nb.cells):
-            if cell.cell_type == "code":
-                assert cell.outputs == [], f"{path.name} cell {i} has outputs: clear them before committing"
-                assert cell.execution_count is None, f"{path.name} cell {i} has an execution count"
 
 
 def execute(name: str, out_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict:

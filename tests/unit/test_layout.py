@@ -1,23 +1,17 @@
-"""The package layout the README's "Development" map describes: module sizes, who may import whom, the
-embedded default text, and atomic checkpoint writes as the CLI's default."""
+"""The package layout the README's "Development" map describes: module sizes, who may import whom, private
+internals only in compat, the length of the minGPT reading path."""
 
 from __future__ import annotations
 
 import ast
-import hashlib
 import sys
 from pathlib import Path
 
 import pytest
 
-from lit_ddp.cli import cli_main
-from lit_ddp.data.sources import TINY_SHAKESPEARE_BYTES, TINY_SHAKESPEARE_SHA256, read_embedded_text
-from lit_ddp.resilience.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO
+from tests.helpers import PACKAGE, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGE = REPO / "lit_ddp"
 MODULES = sorted(PACKAGE.rglob("*.py"))
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -147,40 +141,3 @@ def test_the_minGPT_reading_path_is_at_most_1000_lines() -> None:
         f"import closure of the three modules {sum(closure.values())} lines"
     )
     assert total <= 1000
-
-
-def test_embedded_text_is_tiny_shakespeare() -> None:
-    data = read_embedded_text().encode("utf-8")
-    assert len(data) == TINY_SHAKESPEARE_BYTES
-    assert hashlib.sha256(data).hexdigest() == TINY_SHAKESPEARE_SHA256
-
-
-def test_embedded_text_is_package_data() -> None:
-    """Shipped with the package (pyproject's package-data), so a wheel carries it too."""
-    pyproject = (REPO / "pyproject.toml").read_text()
-    assert '"lit_ddp.data" = ["tinyshakespeare.txt.gz"]' in pyproject
-    assert (PACKAGE / "data" / "tinyshakespeare.txt.gz").stat().st_size < 500_000
-
-
-def trainer_of(*args: str):
-    cli = cli_main(["fit", *args, *QUIET, "--trainer.max_epochs", "0"])
-    return cli.trainer
-
-
-@pytest.mark.parametrize(
-    "config",
-    ["configs/regression/single_device.yaml", "configs/mingpt/cpu.yaml"],
-)
-def test_atomic_checkpoint_io_is_the_default(config: str, tmp_path: Path) -> None:
-    one = ["--trainer.devices", "1"]  # in-process: a DDP strategy would relaunch pytest as rank 1
-    trainer = trainer_of("--config", str(REPO / config), *one, "--trainer.default_root_dir", str(tmp_path))
-    assert type(trainer.strategy.checkpoint_io) is AtomicCheckpointIO
-
-
-def test_another_checkpoint_io_is_kept(tmp_path: Path) -> None:
-    trainer = trainer_of(
-        "--config", str(REPO / "configs/regression/single_device.yaml"),
-        "--trainer.plugins", "lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO",
-        "--trainer.default_root_dir", str(tmp_path),
-    )  # fmt: skip
-    assert type(trainer.strategy.checkpoint_io) is AsyncAtomicCheckpointIO

@@ -1,9 +1,10 @@
 """Bad input, tried as a new user would: one clear message naming the bad value and what would be right,
-a non-zero exit (2 for usage errors), no process left running, no saved checkpoint touched."""
+a non-zero exit (2 for usage errors), no process left running, no saved checkpoint touched. Each case is a
+whole ``lit-ddp fit`` in a subprocess; the checks themselves are unit-tested beside their modules
+(``tests/unit/launch/test_preflight.py``, ``tests/unit/data/test_sources.py``)."""
 
 from __future__ import annotations
 
-import hashlib
 import re
 import socket
 import subprocess
@@ -102,16 +103,6 @@ def test_empty_data_file(tmp_path: Path, fit) -> None:
     assert code == 2 and "is empty" in error_line(out)
 
 
-def test_checksum_mismatch(tmp_path: Path) -> None:
-    from lit_ddp.data.char import CharDataModule
-
-    text = tmp_path / "t.txt"
-    text.write_text("hello world\n" * 100)
-    dm = CharDataModule(path=str(text), sha256="0" * 64, block_size=8)
-    with pytest.raises(ValueError, match=f"sha256 mismatch for {text}: expected 0000.*got {hashlib.sha256(text.read_bytes()).hexdigest()}"):  # fmt: skip
-        dm.prepare_data()
-
-
 @pytest.mark.slow
 def test_truncated_ckpt_path_is_refused_and_left_alone(tmp_path: Path, fit) -> None:
     bad = tmp_path / "bad.ckpt"
@@ -161,15 +152,3 @@ def test_generate_errors(tmp_path: Path, fit, runner: Runner) -> None:
     assert out.returncode != 0 and "not a minGPT checkpoint" in out.stdout, out.stdout[-2000:]
     out = runner.run(lit_ddp("generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "-1"), timeout=60)
     assert out.returncode == 2 and "--max_new_tokens=-1" in out.stdout, out.stdout[-2000:]
-
-
-def test_check_trainer_uses_the_given_machine() -> None:
-    from lit_ddp.launch.errors import UsageError
-    from lit_ddp.launch.preflight import check_trainer
-
-    check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=8, cuda_available=False)
-    with pytest.raises(UsageError, match="trainer.devices=8 but this machine has 4 CPU core"):
-        check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=4, cuda_available=False)
-    with pytest.raises(UsageError, match="bf16-mixed"):
-        check_trainer({"accelerator": "auto", "precision": "16-mixed"}, cpu_count=4, cuda_available=False)
-    check_trainer({"accelerator": "auto", "devices": 8, "precision": "16-mixed"}, cpu_count=4, cuda_available=True)

@@ -7,7 +7,7 @@ Recorded first with the code of commit 73e5a69, before the refactor (the test pa
 code: commit 08d0195). Re-recorded once since, for a named change: issue 13 made one process use the same
 train sampler as DDP (``GlobalOrderSampler``, shuffled by ``(seed, epoch)``), which changes the order a
 single process sees, and no longer draws a sampler seed from the global RNG (so dropout masks shift).
-Re-record only for such a named change: ``python -m tests.test_reference_losses`` rewrites
+Re-record only for such a named change: ``python -m tests.system.test_reference_losses`` rewrites
 ``tests/data/reference_*.json``.
 """
 
@@ -21,10 +21,8 @@ import pytest
 from lightning.pytorch import Callback
 
 from lit_ddp.cli import cli_main
-
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parent / "data"
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+from tests.helpers import QUIET, REPO
+from tests.helpers import TEST_DATA as DATA
 
 
 class LossRecorder(Callback):
@@ -49,7 +47,7 @@ class LossRecorder(Callback):
 
 
 def record(args: list[str], root: Path) -> LossRecorder:
-    cli = cli_main(["fit", *args, "--trainer.default_root_dir", str(root), *QUIET, "--trainer.callbacks+=tests.test_reference_losses.LossRecorder"])  # fmt: skip
+    cli = cli_main(["fit", *args, "--trainer.default_root_dir", str(root), *QUIET, "--trainer.callbacks+=tests.system.test_reference_losses.LossRecorder"])  # fmt: skip
     return next(c for c in cli.trainer.callbacks if type(c).__name__ == "LossRecorder")  # also as __main__
 
 

@@ -1,5 +1,6 @@
-"""Slurm: the launch checks (no cluster needed), then the real local cluster (``slurm/local_cluster.sh``):
-srun, sbatch, preemption with requeue and resume, and torchrun's elastic restarts under sbatch.
+"""Slurm: the real local cluster (``slurm/local_cluster.sh``): srun, sbatch, preemption with requeue and resume,
+and torchrun's elastic restarts under sbatch. (The launch checks against fake environments, no cluster needed:
+``tests/unit/launch/``; the sbatch scripts' text: ``tests/unit/test_slurm_scripts.py``.)
 
 Tests marked ``slurm`` skip when no cluster answers, and fail instead when ``CI=true``.
 """
@@ -7,181 +8,23 @@ Tests marked ``slurm`` skip when no cluster answers, and fail instead when ``CI=
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import uuid
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lit_ddp.cli import cli_main
-from lit_ddp.launch.environment import devices_per_node, follow_torchrun
-from lit_ddp.launch.errors import UsageError
-from lit_ddp.launch.preflight import check_launch
-from lit_ddp.launch.reporting import USAGE_EXIT_CODE, report
+from lit_ddp.launch.reporting import USAGE_EXIT_CODE
 from tests.callbacks import KillAtEpochStart, RecordStart
-from tests.helpers import QUIET, REPO, callback, compose, lit_ddp, recorder_config
-from tests.helpers_slurm import cancel, require_cluster, run_srun, sbatch, wait_job_done
+from tests.helpers import QUIET, SRUN_CONFIGS, callback, compose, lit_ddp, recorder_config
+from tests.system.helpers_slurm import cancel, require_cluster, run_srun, sbatch, wait_job_done
 
 # What slurm/train.sbatch is given (it composes configs/trainer/ddp.yaml and configs/trainer/slurm.yaml
-# before it), and the same composition for srun by hand.
+# before it); srun by hand composes the same (tests.helpers.SRUN_CONFIGS).
 CONFIG = "configs/regression/slurm.yaml"
-SRUN_CONFIGS = compose("trainer/ddp", "trainer/slurm", "regression/slurm")
 EPOCHS = 3
 STEPS_PER_EPOCH = 28  # 1792 train samples / (32 per device * 2 devices)
-SLURM_PLUGIN = [{"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment"}]
-
-# ---------------------------------------------------------------------------------------------------------
-# Launch checks against fake environments (fast, no cluster)
-# ---------------------------------------------------------------------------------------------------------
-
-SRUN_2 = {  # srun -J train -N1 --ntasks-per-node=2, task 0
-    "SLURM_JOB_ID": "4242",
-    "SLURM_JOB_NAME": "train",
-    "SLURM_STEP_ID": "0",
-    "SLURM_NTASKS": "2",
-    "SLURM_NTASKS_PER_NODE": "2",
-    "SLURM_STEP_TASKS_PER_NODE": "2",
-    "SLURM_NNODES": "1",
-    "SLURM_STEP_NUM_NODES": "1",
-    "SLURM_PROCID": "0",
-}
-
-
-def without(env: dict[str, str], *keys: str) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in keys}
-
-
-GOOD = {
-    "no Slurm, no plugin": ({}, {"devices": 2}),
-    "srun, plugin": (SRUN_2, {"devices": 2, "num_nodes": 1, "plugins": SLURM_PLUGIN}),
-    "srun, detected": (SRUN_2, {"devices": "2", "num_nodes": 1}),
-    "srun, devices auto": (SRUN_2, {"devices": "auto", "plugins": SLURM_PLUGIN}),
-    "torchrun in a job": (
-        {**without(SRUN_2, "SLURM_NTASKS_PER_NODE"), "SLURM_NTASKS": "1", "TORCHELASTIC_RUN_ID": "7"},
-        {"devices": 2},
-    ),
-    "interactive shell, one task": (
-        {**SRUN_2, "SLURM_JOB_NAME": "bash", "SLURM_NTASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"},
-        {"devices": 2},
-    ),
-    "batch script, one task": (
-        without(
-            {**SRUN_2, "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1"}, "SLURM_STEP_ID", "SLURM_STEP_TASKS_PER_NODE"
-        ),
-        {"devices": 1},
-    ),
-}
-
-BAD = {
-    "srun -n 2": (
-        without({**SRUN_2}, "SLURM_NTASKS_PER_NODE"),
-        {"devices": 2, "plugins": SLURM_PLUGIN},
-        r"--ntasks=2 .*`--nodes 1 --ntasks-per-node=2` instead of `-n 2`",
-    ),
-    "ntasks-per-node 1, devices 2": (
-        {**SRUN_2, "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_STEP_TASKS_PER_NODE": "1"},
-        {"devices": 2, "plugins": SLURM_PLUGIN},
-        r"--ntasks-per-node=1\) but trainer.devices=2.*--ntasks-per-node=2 or pass --trainer.devices 1",
-    ),
-    "detected, devices list": (
-        SRUN_2,
-        {"devices": [0, 1, 2]},
-        r"--ntasks-per-node=2\) but trainer.devices=\[0, 1, 2\]",
-    ),
-    "nodes 1, num_nodes 2": (
-        SRUN_2,
-        {"devices": 2, "num_nodes": 2, "plugins": SLURM_PLUGIN},
-        r"--nodes=1\) but trainer.num_nodes=2.*--nodes=2 or pass --trainer.num_nodes 1",
-    ),
-    "srun bash -c": (
-        {**SRUN_2, "SLURM_JOB_NAME": "bash"},
-        {"devices": 2},
-        r"runs 2 tasks but the job is named 'bash'.*srun -J",
-    ),
-    "batch script without srun": (
-        without(SRUN_2, "SLURM_STEP_ID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_NODES"),
-        {"devices": 2, "plugins": SLURM_PLUGIN},
-        r"SLURM_NTASKS=2, not an srun step.*Prepend srun",
-    ),
-    "plugin outside Slurm": ({}, {"devices": 2, "plugins": SLURM_PLUGIN}, r"not a Slurm job.*sbatch slurm/train"),
-    "plugin under torchrun": (
-        {"TORCHELASTIC_RUN_ID": "7"},
-        {"devices": 2, "plugins": SLURM_PLUGIN},
-        r"started by torchrun.*SLURMEnvironment",
-    ),
-}
-
-
-@pytest.mark.parametrize("env,trainer", GOOD.values(), ids=GOOD.keys())
-def test_good_launches_pass(env: dict, trainer: dict) -> None:
-    check_launch(trainer, env)
-
-
-@pytest.mark.parametrize("env,trainer,match", BAD.values(), ids=BAD.keys())
-def test_bad_launches_name_the_fix(env: dict, trainer: dict, match: str) -> None:
-    with pytest.raises(UsageError, match=match):
-        check_launch(trainer, env)
-
-
-def test_devices_per_node() -> None:
-    assert [devices_per_node(d) for d in (2, "2", [0, 1], "0,1,", "auto", -1, None)] == [2, 2, 2, 2, None, None, None]
-
-
-def test_trainer_layout_follows_torchrun() -> None:
-    torchrun_1 = {"TORCHELASTIC_RUN_ID": "7", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}
-    trainer = {"devices": 2, "num_nodes": 1}
-    assert follow_torchrun(trainer, torchrun_1) == (
-        "torchrun started 1 process(es) per node on 2 node(s): trainer.devices=2 -> 1, trainer.num_nodes=1 -> 2"
-    )
-    assert trainer == {"devices": 1, "num_nodes": 2}
-    assert follow_torchrun(trainer, torchrun_1) is None  # already matching
-    assert follow_torchrun({"devices": 2}, {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1"}) is None  # no torchrun
-    auto = {"devices": "auto", "num_nodes": 1}
-    follow_torchrun(auto, {**torchrun_1, "LOCAL_WORLD_SIZE": "2"})
-    assert auto == {"devices": 2, "num_nodes": 1}
-
-
-def test_report_prints_once_and_exits(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    env = without(SRUN_2, "SLURM_NTASKS_PER_NODE")
-    for rank in (0, 1):
-        monkeypatch.setattr(rank_zero_only, "rank", rank)  # as Lightning sets it from SLURM_PROCID in each task
-        with pytest.raises(SystemExit) as exc:
-            report(partial(check_launch, {"devices": 2}, {**env, "SLURM_PROCID": str(rank)}))
-        assert exc.value.code == USAGE_EXIT_CODE
-    err = capsys.readouterr().err
-    assert err.count("lit-ddp: error:") == 1, err  # task 0 only
-
-
-def test_cli_refuses_slurm_config_outside_slurm(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
-    for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
-        monkeypatch.delenv(key)
-    with pytest.raises(SystemExit) as exc:
-        cli_main(["fit", *SRUN_CONFIGS, "--trainer.default_root_dir", str(tmp_path), *QUIET])
-    assert exc.value.code == USAGE_EXIT_CODE
-    assert "not a Slurm job" in capsys.readouterr().err
-    assert not any(tmp_path.iterdir()), "nothing was started"
-
-
-def test_sbatch_scripts_as_the_issue_asks() -> None:
-    for name in ("local_cluster.sh", "train.sbatch", "train_elastic.sbatch"):
-        subprocess.run(["bash", "-n", str(REPO / "slurm" / name)], check=True, timeout=30)
-    train = (REPO / "slurm" / "train.sbatch").read_text()
-    elastic = (REPO / "slurm" / "train_elastic.sbatch").read_text()
-    for line in ("#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
-        assert line in train
-    # srun python -m lit_ddp fit, the fragments (configs/trainer/*.yaml) composed before CONFIG
-    assert re.search(r"srun .*\"\$PYTHON\" -m lit_ddp fit[\s\\]+(--config \S+\s+)*--config \"\$CONFIG\"", train)
-    assert re.search(r"torchrun.*--nnodes \"\$SLURM_NNODES\" --nproc_per_node \"\$NPROC\"", elastic)
-    assert "--max-restarts" in elastic and "--rdzv_backend c10d" in elastic and ":${RDZV_PORT:-29500}" in elastic
-    for text in (train, elastic):  # site details belong on the sbatch command line
-        assert not re.search(r"^#SBATCH +(--partition|-p |--account|-A )", text, re.M)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # The real local cluster

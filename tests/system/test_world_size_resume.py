@@ -116,7 +116,7 @@ def test_torchrun_resumes_on_fewer_processes_with_no_flag(
     assert_close(final_params(rec), uninterrupted["2x16"])
 
 
-def unique_window_text(path: Path, length: int = 1405, seed: int = 0) -> Path:
+def unique_window_text(path: Path, seed: int, length: int = 1405) -> Path:
     """A text whose 16-character windows are all distinct (random characters of an 80-character alphabet), so
     that a window's content names its index. 1405 characters: 1264 for training (train_split 0.9), i.e.
     1248 = 78 x 16 windows of 16 + 1."""
@@ -129,8 +129,10 @@ def unique_window_text(path: Path, length: int = 1405, seed: int = 0) -> Path:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_mingpt_two_processes_then_one_sees_every_window_once(tmp_path: Path, runner: helpers.Runner) -> None:
-    text = unique_window_text(tmp_path / "text.txt")
+def test_mingpt_two_processes_then_one_sees_every_window_once(
+    tmp_path: Path, runner: helpers.Runner, seed: int
+) -> None:
+    text = unique_window_text(tmp_path / "text.txt", seed)
     args = [
         *compose("trainer/ddp", "mingpt/cpu", "checkpoint/fault_tolerant", "mingpt/fault_tolerant"),
         *helpers.TINY_GPT_ARGS, "--data.init_args.path", str(text), "--data.init_args.truncate", "1.0",

@@ -1,5 +1,6 @@
 """The shipped configs: each parses, the README's commands compose them as documented, no config forces a
-process-group backend, every multi-process composition has a collective timeout, and no block is repeated."""
+process-group backend, every multi-process composition has a collective timeout, no block is repeated, and the
+minGPT step configs sample text and measure throughput with callbacks."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import yaml
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp.cli import cli_main
+from tests.helpers import CONFIGS, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
 ALL = sorted(CONFIGS.rglob("*.yaml"))
 BASE = CONFIGS / "regression" / "single_device.yaml"
 DDP = "configs/trainer/ddp.yaml"
@@ -165,3 +165,14 @@ def test_sbatch_composes_fragments() -> None:
     script = (REPO / "slurm" / "train.sbatch").read_text()
     for fragment in SBATCH_FRAGMENTS:
         assert fragment in script
+
+
+@pytest.mark.parametrize("name", ["cpu", "ddp", "torchrun", "slurm", "tutorial"])
+def test_step_configs_sample_and_measure_throughput(name: str) -> None:
+    """Text samples and throughput/MFU are trainer callbacks of every minGPT step config, not model
+    hyperparameters: what TensorBoard shows (``samples``, ``train/device/items_per_sec``...) stays."""
+    config = yaml.safe_load((CONFIGS / "mingpt" / f"{name}.yaml").read_text())
+    paths = [c["class_path"] for c in config["trainer"]["callbacks"]]
+    assert paths[-1] == "lit_ddp.callbacks.text_samples.TextSampleCallback"  # last: --trainer.callbacks.init_args
+    assert any(p.endswith(".TokenThroughputMonitor") for p in paths)
+    assert not {"sample_tokens", "sample_prompt", "available_flops"} & set(config["model"].get("init_args") or {})

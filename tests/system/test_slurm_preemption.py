@@ -6,7 +6,6 @@ nodes); the four jobs run side by side to keep the suite short."""
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import time
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import QUIET, TINY_GPT_ARGS, load_records, recorder_config
-from tests.helpers_slurm import cancel, hostnames, job_info, require_cluster, sbatch, wait_job_done
+from tests.system.helpers_slurm import cancel, hostnames, job_info, require_cluster, sbatch, wait_job_done
 
 SIGNALS = 3
 FT = ["--config", "configs/checkpoint/fault_tolerant.yaml"]  # after CONFIG: train.sbatch passes it on
@@ -69,9 +68,9 @@ def preempt(job: str, rng: random.Random, out: Path) -> list[float]:
 @pytest.mark.slurm
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_random_preemptions_requeue_and_end_exact(tmp_path: Path) -> None:
+def test_random_preemptions_requeue_and_end_exact(tmp_path: Path, seed: int) -> None:
     require_cluster(nodes=2)
-    rng = random.Random(int(os.environ.get("LIT_DDP_TEST_SEED", time.time_ns())))
+    rng = random.Random(seed)
     jobs = {}
     try:
         for task in TASKS:

@@ -1,5 +1,6 @@
 """What the README says is logged is in the event files, read back with tensorboard's own reader
-(EventAccumulator) after tiny in-process runs, and a real ``tensorboard`` server serves the same values."""
+(EventAccumulator) after a tiny in-process minGPT run, and a real ``tensorboard`` server serves the same values.
+(The regression run's log: ``tests/unit/test_tensorboard.py``; its run: the ``regression_run`` fixture.)"""
 
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 
 from lit_ddp.cli import cli_main
 from lit_ddp.tensorboard import read_hparams, read_scalars, read_text, scalar_tags
-from tests.helpers import QUIET, TINY_GPT_ARGS, Runner, compose
+from tests.helpers import TINY_GPT_ARGS, Runner, compose
 
-# The exact scalar tags of one-process runs (the README's monitoring section lists them).
-REGRESSION_SCALARS = {"train/loss_step", "train/loss_epoch", "val/loss", "val/r2", "lr-SGD", "epoch"}
+# The exact scalar tags of a one-process minGPT run (the README's monitoring section lists them).
 GPT_SCALARS = {
     "train/loss",
     "val/loss",
@@ -44,16 +44,6 @@ GPT_SCALARS = {
 
 
 @pytest.fixture(scope="module")
-def regression_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("regression")
-    cli_main(
-        ["fit", *compose("regression/single_device"), *QUIET]
-        + ["--trainer.default_root_dir", str(root), "--trainer.max_epochs", "3", "--trainer.log_every_n_steps", "5"]
-    )
-    return root
-
-
-@pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mingpt")
     cli_main(  # the packaged Tiny Shakespeare: no data path
@@ -63,20 +53,6 @@ def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         + ["--trainer.log_every_n_steps", "5"]
     )
     return root
-
-
-def test_regression_logs_losses_r2_lr_and_hparams(regression_run: Path) -> None:
-    assert set(scalar_tags(regression_run)) == REGRESSION_SCALARS
-    val_loss = read_scalars(regression_run, "val/loss")
-    assert len(val_loss) == 3  # one per epoch
-    assert val_loss[-1][1] < val_loss[0][1]
-    assert all(0.0 < r2 <= 1.0 for _, r2 in read_scalars(regression_run, "val/r2")[1:])
-    assert all(lr == pytest.approx(1e-3) for _, lr in read_scalars(regression_run, "lr-SGD"))
-    steps = [s for s, _ in read_scalars(regression_run, "train/loss_step")]
-    assert steps == sorted(steps) and len(steps) >= 3 * 56 // 5 - 1  # 56 steps per epoch, every 5th logged
-    hparams, metrics = read_hparams(regression_run)
-    assert hparams["learning_rate"] == pytest.approx(1e-3) and hparams["batch_size"] == 32  # model and data
-    assert metrics == ["val/loss"]
 
 
 @pytest.mark.slow

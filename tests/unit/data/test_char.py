@@ -1,27 +1,17 @@
-"""CharDataModule: encoding, the contiguous train/val split, truncate, the text's source (the embedded Tiny
-Shakespeare by default), the cached download (no network)."""
+"""lit_ddp.data.char: encoding, the windows, CharDataModule's contiguous train/val split, truncate, its batches
+and bad arguments. Where the text comes from (embedded, path, URL, cache, checksums): test_sources.py."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
-import fsspec
 import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_ddp.data.char import CharDataModule, CharWindows, build_vocab, decode, encode
-from lit_ddp.data.sources import DATA_ENV, EMBEDDED, TINY_SHAKESPEARE_SHA256, read_embedded_text
-
-TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
-
-
-@pytest.fixture
-def text_file(tmp_path: Path) -> Path:
-    path = tmp_path / "input.txt"
-    path.write_text(TEXT, encoding="utf-8")
-    return path
+from lit_ddp.data.sources import TINY_SHAKESPEARE_SHA256, read_embedded_text
+from tests.helpers import SHORT_TEXT
 
 
 def test_encode_decode_round_trip() -> None:
@@ -47,8 +37,8 @@ def test_packaged_text_is_tiny_shakespeare(tiny_shakespeare: Path) -> None:
 def test_split_is_contiguous_and_disjoint(text_file: Path) -> None:
     dm = CharDataModule(path=str(text_file), block_size=8, batch_size=4, train_split=0.75)
     dm.setup("fit")
-    full = encode(TEXT, dm.vocab)
-    n_train = int(len(TEXT) * 0.75)
+    full = encode(SHORT_TEXT, dm.vocab)
+    n_train = int(len(SHORT_TEXT) * 0.75)
     assert torch.equal(dm.train_set.data, full[:n_train])
     assert torch.equal(dm.val_set.data, full[n_train:])
     # Every window (inputs and targets) stays inside its own split: no validation character is trained on.
@@ -56,9 +46,9 @@ def test_split_is_contiguous_and_disjoint(text_file: Path) -> None:
     assert last_train <= n_train
     assert dm.val_set.data.storage_offset() == n_train
     x, y = dm.train_set[len(dm.train_set) - 1]
-    assert decode(torch.cat([x, y[-1:]]), dm.vocab) == TEXT[n_train - 9 : n_train]
+    assert decode(torch.cat([x, y[-1:]]), dm.vocab) == SHORT_TEXT[n_train - 9 : n_train]
     # Validation windows are disjoint and cover the validation text.
-    assert len(dm.val_set) == (len(TEXT) - n_train - 1) // 8
+    assert len(dm.val_set) == (len(SHORT_TEXT) - n_train - 1) // 8
     x0, y0 = dm.val_set[0]
     x1, _ = dm.val_set[1]
     assert torch.equal(y0[:-1], x0[1:]) and torch.equal(x1[0:1], y0[-1:])
@@ -79,7 +69,7 @@ def test_batches(text_file: Path) -> None:
 def test_truncate(text_file: Path) -> None:
     dm = CharDataModule(path=str(text_file), block_size=8, truncate=0.5)
     dm.setup("fit")
-    assert dm.train_set.data.numel() + dm.val_set.data.numel() == int(len(TEXT) * 0.5)
+    assert dm.train_set.data.numel() + dm.val_set.data.numel() == int(len(SHORT_TEXT) * 0.5)
 
 
 def test_windows() -> None:
@@ -105,42 +95,3 @@ def test_bad_arguments(tmp_path: Path) -> None:
     short.write_text("abc")
     with pytest.raises(ValueError, match="block_size=8 is at least as long as the validation split"):
         CharDataModule(path=str(short), block_size=8).setup("fit")
-
-
-def test_source_precedence(monkeypatch: pytest.MonkeyPatch, text_file: Path) -> None:
-    monkeypatch.delenv(DATA_ENV, raising=False)
-    assert CharDataModule().source == EMBEDDED
-    assert CharDataModule().text_source.sha256 == TINY_SHAKESPEARE_SHA256
-    monkeypatch.setenv(DATA_ENV, str(text_file))
-    dm = CharDataModule()
-    assert dm.source == str(text_file) and dm.text_source.sha256 is None
-    other = text_file.with_name("other.txt")
-    other.write_text("other text")
-    assert CharDataModule(path=str(other)).source == str(other)
-
-
-def test_url_downloaded_once_and_verified(tmp_path: Path, text_file: Path) -> None:
-    """A file:// URL goes through the download path: copied into the cache, sha256-checked, reused."""
-    sha = hashlib.sha256(TEXT.encode()).hexdigest()
-    cache = tmp_path / "cache"
-    dm = CharDataModule(path=text_file.as_uri(), sha256=sha, cache_dir=str(cache), block_size=8)
-    dm.prepare_data()
-    cached = list(cache.iterdir())
-    assert len(cached) == 1 and cached[0].read_text() == TEXT
-    text_file.unlink()  # offline from now on: the cache serves
-    dm2 = CharDataModule(path=text_file.as_uri(), sha256=sha, cache_dir=str(cache), block_size=8)
-    dm2.prepare_data()
-    dm2.setup("fit")
-    assert decode(dm2.train_set.data[:10], dm2.vocab) == "A Citizen:"
-
-
-def test_sha256_mismatch_rejected(tmp_path: Path) -> None:
-    url = "memory://lit_ddp_test/corrupt.txt"
-    with fsspec.open(url, "wb") as f:
-        f.write(b"not the text you are looking for")
-    cache = tmp_path / "cache"
-    dm = CharDataModule(path=url, sha256="0" * 64, cache_dir=str(cache))
-    with pytest.raises(ValueError, match=f"sha256 mismatch for {url}: expected {'0' * 64}"):
-        dm.prepare_data()
-    assert list(cache.iterdir()) == []  # nothing half-verified is left behind
-    fsspec.filesystem("memory").rm(url)

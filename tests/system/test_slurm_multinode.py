@@ -2,7 +2,8 @@
 
 Where the tasks ran is read from Slurm (``scontrol show job``, and the jobcomp/filetxt log when the cluster
 writes one), not from the program's output. The tests skip when fewer than 2 Slurm nodes are up (idle, mixed,
-allocated or completing), and fail instead when ``CI=true``. Self-contained: the helpers are defined here.
+allocated or completing), and fail instead when ``CI=true``. The shared constants and Slurm calls come from
+:mod:`tests.helpers` and :mod:`tests.system.helpers_slurm`; the two-node helpers are defined here.
 """
 
 from __future__ import annotations
@@ -23,23 +24,18 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
+from tests.helpers import QUIET, REPO
+from tests.system.helpers_slurm import FINAL_STATES, hostnames, in_ci, sbatch, slurm_env
+
 SLURM_CONFIG = "configs/regression/slurm.yaml"  # the step config train.sbatch is given
 # srun by hand: what train.sbatch composes (DDPStrategy, SLURMEnvironment), then the step config
 SRUN_CONFIGS = ["--config", "configs/trainer/ddp.yaml", "--config", "configs/trainer/slurm.yaml"]
 SRUN_CONFIGS += ["--config", SLURM_CONFIG]
 # train_elastic.sbatch: a step config without SLURMEnvironment, the DDP fragment (strategy only) after it
 TORCHRUN_CONFIG = ["configs/regression/torchrun.yaml", "--config", "configs/trainer/ddp.yaml"]
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 UP_STATES = {"idle", "mixed", "allocated", "completing"}
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
 def nodes_up(timeout: float = 15) -> tuple[list[str], str]:
@@ -77,22 +73,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def slurm_env(**extra: str) -> dict[str, str]:
-    """What a job inherits (sbatch/srun export it): this venv first on PATH, the repo importable, no outer job."""
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(VENV_BIN), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["LIT_DDP_PYTHON"] = sys.executable
-    env["LIT_DDP_TORCHRUN"] = str(VENV_BIN / "torchrun")
-    for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))]:
-        del env[key]
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(key, None)
-    env.update(extra)
-    return env
-
-
 def parse_fields(line: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in line.split() if "=" in f)
 
@@ -124,11 +104,6 @@ def jobcomp_record(job_id: str) -> dict[str, str]:
     return {}
 
 
-def hostnames(nodelist: str) -> list[str]:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=15)
-    return out.stdout.split()
-
-
 def assert_two_nodes_one_task_each(info: dict[str, str], log: str = "") -> None:
     """Slurm's own record: the job completed on 2 distinct nodes, 1 task per node, 2 tasks in all."""
     assert info, "Slurm no longer knows the job"
@@ -140,13 +115,6 @@ def assert_two_nodes_one_task_each(info: dict[str, str], log: str = "") -> None:
     if recorded:  # written by slurmctld when the job ended
         assert (recorded["JobState"], recorded["NodeCnt"]) == ("COMPLETED", "2"), recorded
         assert hostnames(recorded["NodeList"]) == nodes
-
-
-def sbatch(script: str, args: list[str], opts: list[str], **env: str) -> str:
-    cmd = ["sbatch", "--parsable", *opts, str(REPO / script), *args]
-    out = subprocess.run(cmd, cwd=REPO, env=slurm_env(**env), capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, f"{cmd} failed: {out.stderr}"
-    return out.stdout.strip().split(";")[0]
 
 
 def wait_job_done(job_id: str, timeout: float, output: Path) -> dict[str, str]:
@@ -254,13 +222,13 @@ def workers_on(job_id: str, node: str) -> list[int]:
 
 
 @pytest.mark.timeout(420)
-def test_elastic_sbatch_on_two_nodes_survives_a_worker_kill(two_nodes, tmp_path: Path) -> None:
+def test_elastic_sbatch_on_two_nodes_survives_a_worker_kill(two_nodes, tmp_path: Path, seed: int) -> None:
     """One torchrun agent per node, joined by a c10d rendezvous hosted by the first node's agent. SIGKILL of
     the second node's worker at a random moment of training: torchrun restarts the group on both nodes, the
     job completes, bit-identical to an uninterrupted 2-node job run beside it."""
     from tests.helpers import load_records, recorder_config
 
-    rng = random.Random(int(os.environ.get("LIT_DDP_TEST_SEED", time.time_ns())))
+    rng = random.Random(seed)
     args = [*TORCHRUN_CONFIG, "--config", "configs/checkpoint/fault_tolerant.yaml", "--data.num_samples", "288"]
     args += ["--trainer.max_epochs", "-1", "--trainer.max_steps", "600", "--checkpoint.every_n_train_steps", "10"]
     jobs: dict[str, tuple[str, Path, Path]] = {}

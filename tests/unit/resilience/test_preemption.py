@@ -1,5 +1,6 @@
 """PreemptionCheckpoint's agreement cadence: about one all-reduce per ``agreement_interval_s`` of training
-(not one per step), and a recorded signal is acted on, with a checkpoint, within two intervals and a step."""
+(not one per step), a recorded signal is acted on, with a checkpoint, within two intervals and a step, and
+Lightning's per-step SIGTERM broadcast is off exactly when the callback owns SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
+from lit_ddp import compat
 from lit_ddp.data.regression import RegressionDataModule
 from lit_ddp.resilience import signals
 from lit_ddp.resilience.deferred import DeferredFlag
@@ -90,3 +92,18 @@ def test_signal_is_acted_on_within_two_intervals(tmp_path: Path) -> None:
         slow.signal_step is not None and slow.signal_step < saved_step <= slow.signal_step + 2 * most_steps_between + 1
     )
     assert raised.value.signum == signal.SIGUSR1 and not raised.value.requeued
+
+
+def test_lightnings_per_step_sigterm_broadcast_goes_when_we_own_sigterm() -> None:
+    """Lightning 2.6 broadcasts a SIGTERM flag before every step (blocking); once PreemptionCheckpoint's handler
+    owns SIGTERM that flag can never be set, so the broadcast is turned off, and only then."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        for handle_sigterm in (True, False):
+            trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+            PreemptionCheckpoint(handle_sigterm=handle_sigterm).on_train_start(trainer, None)
+            turned_off = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is compat._no_sigterm_broadcast
+            assert turned_off is handle_sigterm
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

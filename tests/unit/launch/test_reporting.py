@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lit_ddp.launch import reporting
 from lit_ddp.launch.errors import NonFiniteLossError, Preempted, UsageError
+from lit_ddp.launch.preflight import check_launch
+from tests.helpers import SRUN_2, without
 
 
 def run_reported(fn, running: bool) -> int:
@@ -65,3 +70,14 @@ def test_preempted_exits_128_plus_signal(capsys: pytest.CaptureFixture) -> None:
 
     assert run_reported(preempted, running=True) == 143
     assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
+def test_report_prints_once_and_exits(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = without(SRUN_2, "SLURM_NTASKS_PER_NODE")
+    for rank in (0, 1):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)  # as Lightning sets it from SLURM_PROCID in each task
+        with pytest.raises(SystemExit) as exc:
+            reporting.report(partial(check_launch, {"devices": 2}, {**env, "SLURM_PROCID": str(rank)}))
+        assert exc.value.code == reporting.USAGE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.count("lit-ddp: error:") == 1, err  # task 0 only

@@ -1,4 +1,5 @@
-"""The toy regression through the tutorial's steps: single device, DDP, torchrun, multinode, resume."""
+"""The toy regression through the tutorial's steps, whole runs: single device, DDP, torchrun, multinode, resume.
+(Its module and data module alone: ``tests/unit/tasks/test_regression.py``, ``tests/unit/data/test_regression.py``.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 
 from lit_ddp.cli import cli_main
 from lit_ddp.data.regression import RegressionDataModule
-from lit_ddp.tasks.regression import RegressionModule
 from lit_ddp.tensorboard import read_scalars
 from tests.callbacks import KillAtEpochStart
 from tests.helpers import QUIET, Runner, callback, compose, load_records, torchrun, wait
@@ -35,34 +35,6 @@ def train_indices(record: dict, epoch: int) -> set[int]:
     match = (fed[:, None, :] == x_all[None, :, :]).all(-1)
     assert bool((match.sum(1) == 1).all()), "every fed row is exactly one training sample"
     return set(match.float().argmax(1).tolist())
-
-
-def test_mse_not_cross_entropy() -> None:
-    """The tutorial's cross_entropy on one output is constantly 0; our loss is a real MSE that learns."""
-    model = RegressionModule()
-    x, y = torch.randn(8, 20), torch.randn(8, 1)
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    assert loss.item() > 0
-    assert torch.nn.functional.cross_entropy(model(x), y).item() == 0.0  # the tutorial's defect
-
-
-def test_bad_datamodule_arguments() -> None:
-    with pytest.raises(ValueError, match="batch_size=0"):
-        RegressionDataModule(batch_size=0)
-    with pytest.raises(ValueError, match="val_fraction=1.5"):
-        RegressionDataModule(val_fraction=1.5)
-
-
-def test_data_is_seeded_and_learnable() -> None:
-    a, b = RegressionDataModule(), RegressionDataModule()
-    a.setup("fit"), b.setup("fit")
-    assert torch.equal(a.train_set.tensors[0], b.train_set.tensors[0])
-    assert len(a.train_set) + len(a.val_set) == 2048
-    assert a.train_set.tensors[0].shape == (1792, 20) and a.train_set.tensors[1].shape == (1792, 1)
-    # The tutorial's option: targets unrelated to inputs.
-    r = RegressionDataModule(random_targets=True)
-    r.setup("fit")
-    assert r.train_set.tensors[1].min() >= 0 and r.train_set.tensors[1].max() < 1
 
 
 @pytest.mark.slow

@@ -1,0 +1,139 @@
+"""lit_ddp.launch.preflight: the checks before anything starts. The launch layout against fake Slurm and
+torchrun environments (no cluster needed), the machine, the config files, and a ``--ckpt_path`` against the
+config; each bad case is refused with one line that names the fix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lit_ddp.cli import cli_main
+from lit_ddp.launch.errors import UsageError
+from lit_ddp.launch.preflight import check_launch, check_trainer
+from lit_ddp.launch.reporting import USAGE_EXIT_CODE
+from tests.helpers import QUIET, SLURM_PLUGIN, SRUN_2, SRUN_CONFIGS, compose, usage_error, without
+
+GOOD = {
+    "no Slurm, no plugin": ({}, {"devices": 2}),
+    "srun, plugin": (SRUN_2, {"devices": 2, "num_nodes": 1, "plugins": SLURM_PLUGIN}),
+    "srun, detected": (SRUN_2, {"devices": "2", "num_nodes": 1}),
+    "srun, devices auto": (SRUN_2, {"devices": "auto", "plugins": SLURM_PLUGIN}),
+    "torchrun in a job": (
+        {**without(SRUN_2, "SLURM_NTASKS_PER_NODE"), "SLURM_NTASKS": "1", "TORCHELASTIC_RUN_ID": "7"},
+        {"devices": 2},
+    ),
+    "interactive shell, one task": (
+        {**SRUN_2, "SLURM_JOB_NAME": "bash", "SLURM_NTASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"},
+        {"devices": 2},
+    ),
+    "batch script, one task": (
+        without(
+            {**SRUN_2, "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1"}, "SLURM_STEP_ID", "SLURM_STEP_TASKS_PER_NODE"
+        ),
+        {"devices": 1},
+    ),
+}
+
+BAD = {
+    "srun -n 2": (
+        without({**SRUN_2}, "SLURM_NTASKS_PER_NODE"),
+        {"devices": 2, "plugins": SLURM_PLUGIN},
+        r"--ntasks=2 .*`--nodes 1 --ntasks-per-node=2` instead of `-n 2`",
+    ),
+    "ntasks-per-node 1, devices 2": (
+        {**SRUN_2, "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_STEP_TASKS_PER_NODE": "1"},
+        {"devices": 2, "plugins": SLURM_PLUGIN},
+        r"--ntasks-per-node=1\) but trainer.devices=2.*--ntasks-per-node=2 or pass --trainer.devices 1",
+    ),
+    "detected, devices list": (
+        SRUN_2,
+        {"devices": [0, 1, 2]},
+        r"--ntasks-per-node=2\) but trainer.devices=\[0, 1, 2\]",
+    ),
+    "nodes 1, num_nodes 2": (
+        SRUN_2,
+        {"devices": 2, "num_nodes": 2, "plugins": SLURM_PLUGIN},
+        r"--nodes=1\) but trainer.num_nodes=2.*--nodes=2 or pass --trainer.num_nodes 1",
+    ),
+    "srun bash -c": (
+        {**SRUN_2, "SLURM_JOB_NAME": "bash"},
+        {"devices": 2},
+        r"runs 2 tasks but the job is named 'bash'.*srun -J",
+    ),
+    "batch script without srun": (
+        without(SRUN_2, "SLURM_STEP_ID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_NODES"),
+        {"devices": 2, "plugins": SLURM_PLUGIN},
+        r"SLURM_NTASKS=2, not an srun step.*Prepend srun",
+    ),
+    "plugin outside Slurm": ({}, {"devices": 2, "plugins": SLURM_PLUGIN}, r"not a Slurm job.*sbatch slurm/train"),
+    "plugin under torchrun": (
+        {"TORCHELASTIC_RUN_ID": "7"},
+        {"devices": 2, "plugins": SLURM_PLUGIN},
+        r"started by torchrun.*SLURMEnvironment",
+    ),
+}
+
+
+@pytest.mark.parametrize("env,trainer", GOOD.values(), ids=GOOD.keys())
+def test_good_launches_pass(env: dict, trainer: dict) -> None:
+    check_launch(trainer, env)
+
+
+@pytest.mark.parametrize("env,trainer,match", BAD.values(), ids=BAD.keys())
+def test_bad_launches_name_the_fix(env: dict, trainer: dict, match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        check_launch(trainer, env)
+
+
+def test_cli_refuses_slurm_config_outside_slurm(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(key)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", *SRUN_CONFIGS, "--trainer.default_root_dir", str(tmp_path), *QUIET])
+    assert exc.value.code == USAGE_EXIT_CODE
+    assert "not a Slurm job" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "nothing was started"
+
+
+def test_check_trainer_uses_the_given_machine() -> None:
+    check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=8, cuda_available=False)
+    with pytest.raises(UsageError, match="trainer.devices=8 but this machine has 4 CPU core"):
+        check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=4, cuda_available=False)
+    with pytest.raises(UsageError, match="bf16-mixed"):
+        check_trainer({"accelerator": "auto", "precision": "16-mixed"}, cpu_count=4, cuda_available=False)
+    check_trainer({"accelerator": "auto", "devices": 8, "precision": "16-mixed"}, cpu_count=4, cuda_available=True)
+
+
+# ---- a checkpoint against the config, the config files
+
+
+@pytest.fixture(scope="module")
+def regression_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A regression checkpoint written with learning_rate 0.05 (one epoch, one process)."""
+    root = tmp_path_factory.mktemp("regression")
+    cli_main(["fit", *compose("regression/single_device"), "--trainer.max_epochs", "1", *QUIET,
+              "--model.init_args.learning_rate", "0.05", "--trainer.default_root_dir", str(root)])  # fmt: skip
+    return root / "checkpoints" / "last.ckpt"
+
+
+def test_checkpoint_of_another_task_is_refused(regression_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    line = usage_error(capsys, "fit", *compose("trainer/ddp", "mingpt/cpu"), "--ckpt_path", str(regression_checkpoint))
+    assert "lit_ddp.tasks.regression.RegressionModule" in line and "lit_ddp.tasks.mingpt.GPTModule" in line
+
+
+def test_restored_hyperparameter_that_replaces_a_given_value_is_named(
+    regression_checkpoint: Path, tmp_path: Path
+) -> None:
+    with pytest.warns(UserWarning, match=r"model.init_args.learning_rate=0.05 replaces the configured 0.001"):
+        cli_main(["fit", *compose("regression/single_device"), "--ckpt_path", str(regression_checkpoint),
+                  "--model.init_args.learning_rate", "0.001", "--trainer.max_epochs", "1", *QUIET,
+                  "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_epochs: 3\n  devices: [1\n")
+    line = usage_error(capsys, "fit", *compose("trainer/ddp", "regression/ddp"), "--config", str(bad))
+    assert f"config {bad} is not valid YAML (line 4" in line

@@ -1,0 +1,75 @@
+"""lit_ddp.resilience.resume: which checkpoint a run resumes from. The newest valid one by recorded step
+(file times lie once a run directory is copied), a truncated one skipped with a warning, none: a fresh start,
+only unreadable ones: a clear error. (What the CLI does with them: ``tests/system/test_fault_tolerance_atomic.py``.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_ddp.resilience.resume import NoValidCheckpointError, find_resume_checkpoint
+
+
+def _ckpt(path: Path, mtime: float, valid: bool = True) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": int(mtime)}, path)
+    if not valid:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_truncated_last_falls_back_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpts = tmp_path / "checkpoints"
+    _ckpt(ckpts / "epoch=0-step=4.ckpt", 1000)
+    good = _ckpt(ckpts / "epoch=0-step=8.ckpt", 2000)
+    _ckpt(ckpts / "last.ckpt", 3000, valid=False)
+    with caplog.at_level(logging.WARNING):
+        assert find_resume_checkpoint(str(tmp_path)) == str(good)
+    assert str(ckpts / "last.ckpt") in caplog.text
+
+
+def test_no_checkpoints_means_fresh_start(tmp_path: Path) -> None:
+    assert find_resume_checkpoint(str(tmp_path)) is None
+
+
+def test_garbage_only_is_a_clear_error(tmp_path: Path) -> None:
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    (ckpts / "last.ckpt").write_bytes(b"not a checkpoint")
+    _ckpt(ckpts / "epoch=0-step=4.ckpt", 1000, valid=False)
+    with pytest.raises(NoValidCheckpointError, match=r"None of the 2 checkpoint\(s\).*--ckpt_path"):
+        find_resume_checkpoint(str(tmp_path))
+
+
+def save_steps(directory: Path, steps: dict[str, int]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, step in steps.items():
+        torch.save({"global_step": step, "epoch": 0}, directory / name)
+
+
+def test_resume_order_is_by_recorded_step_not_file_time(tmp_path: Path) -> None:
+    """Copied run directories and 1-second object-store times reorder files; the recorded step does not."""
+    run = tmp_path / "run"
+    save_steps(run / "checkpoints", {"epoch=0-step=9.ckpt": 9, "epoch=0-step=12.ckpt": 12, "last.ckpt": 12})
+    save_steps(run, {"hpc_ckpt_9.ckpt": 9, "hpc_ckpt_10.ckpt": 10})
+    now = time.time()
+    for age, path in enumerate(sorted(run.rglob("*.ckpt"), reverse=True)):  # step=9 newest, last.ckpt oldest
+        os.utime(path, (now - age, now - age))
+    assert find_resume_checkpoint(str(run)) == str(run / "checkpoints" / "last.ckpt")
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, copy_function=shutil.copy)  # new, nearly equal times
+    for path in copy.rglob("*.ckpt"):
+        os.utime(path, (now, now))
+    assert find_resume_checkpoint(str(copy)) == str(copy / "checkpoints" / "last.ckpt")
+    (copy / "checkpoints" / "last.ckpt").unlink()
+    assert find_resume_checkpoint(str(copy)) == str(copy / "checkpoints" / "epoch=0-step=12.ckpt")
+    for name in ("epoch=0-step=12.ckpt",):
+        (copy / "checkpoints" / name).unlink()
+    assert find_resume_checkpoint(str(copy)) == str(copy / "hpc_ckpt_10.ckpt"), "hpc_ckpt_10 beats hpc_ckpt_9"

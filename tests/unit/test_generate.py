@@ -1,0 +1,83 @@
+"""lit_ddp.generate: ``lit-ddp generate`` from a checkpoint's hyperparameters and weights alone (no data),
+``sample()``'s default prompt, and the usage errors and foreign files it refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+
+from lit_ddp.cli import cli_main
+from lit_ddp.data.char import build_vocab
+from lit_ddp.generate import DEFAULT_PROMPT, generate, sample
+from lit_ddp.tasks.mingpt import GPTModule
+
+TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 40
+
+
+def tiny_module() -> GPTModule:
+    return GPTModule(model_type="gpt-nano", n_layer=1, n_head=2, n_embd=16, block_size=16, vocab=build_vocab(TEXT))
+
+
+def save_like_lightning(module: GPTModule, path: Path) -> Path:
+    """The keys of a Lightning checkpoint that ``GPTModule.load_from_checkpoint`` reads."""
+    checkpoint = {
+        "state_dict": module.state_dict(),
+        "hyper_parameters": dict(module.hparams),
+        "pytorch-lightning_version": lightning.__version__,
+    }
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_default_prompt_is_the_module_s() -> None:
+    """``sample(module)`` without a prompt continues DEFAULT_PROMPT, less the characters the vocabulary lacks."""
+    module = tiny_module()
+    assert sample(module, max_new_tokens=0) == "".join(c for c in DEFAULT_PROMPT if c in module.vocab)
+    assert "sample_tokens" not in module.hparams and "configure_callbacks" not in GPTModule.__dict__
+
+
+def test_generate_from_hparams_and_weights_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ckpt = save_like_lightning(tiny_module(), tmp_path / "tiny.ckpt")
+    hparams = torch.load(ckpt, weights_only=True)["hyper_parameters"]  # primitive hparams only
+    assert hparams["vocab"] == build_vocab(TEXT) and hparams["betas"] == (0.9, 0.95)
+    cli_main(["generate", "--ckpt_path", str(ckpt), "--prompt", "ROMEO:", "--max_new_tokens", "30", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and len(out.rstrip("\n")) >= 36
+    assert generate(str(ckpt), "ROMEO:", 30, seed=3) == generate(str(ckpt), "ROMEO:", 30, seed=3)
+    assert generate(str(ckpt), "RO", 0) == "RO"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max_new_tokens", "-1"], "--max_new_tokens=-1 must be >= 0"),
+        (["--top_k", "0"], "--top_k=0 must be >= 1"),
+        (["--prompt", "ROMEO@"], "'@'"),
+        (["--max_new_tokens", "many"], "max_new_tokens"),
+    ],
+)
+def test_generate_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:
+    ckpt = save_like_lightning(tiny_module(), tmp_path / "tiny.ckpt")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["generate", "--ckpt_path", str(ckpt), *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_rejects_other_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    other = tmp_path / "regression.ckpt"
+    torch.save({"state_dict": {"net.weight": torch.zeros(1, 20)}, "hyper_parameters": {"num_features": 20}}, other)
+    pickled = tmp_path / "pickled.ckpt"
+    torch.save({"state_dict": {}, "payload": Path("x")}, pickled)  # needs unpickling code: refused
+    for path, message in [
+        (other, f"--ckpt_path {other} is not a minGPT checkpoint"),
+        (pickled, "cannot be loaded with torch.load(weights_only=True)"),
+        (tmp_path / "missing.ckpt", "no such file"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["generate", "--ckpt_path", str(path)])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err

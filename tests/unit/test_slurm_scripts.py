@@ -1,0 +1,24 @@
+"""The sbatch scripts under ``slurm/``: valid bash, the options the issue asks for, the configs composed as the
+README says, no site details. (They run against a real cluster in ``tests/system/test_slurm*.py``.)"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from tests.helpers import REPO
+
+
+def test_sbatch_scripts_as_the_issue_asks() -> None:
+    for name in ("local_cluster.sh", "train.sbatch", "train_elastic.sbatch"):
+        subprocess.run(["bash", "-n", str(REPO / "slurm" / name)], check=True, timeout=30)
+    train = (REPO / "slurm" / "train.sbatch").read_text()
+    elastic = (REPO / "slurm" / "train_elastic.sbatch").read_text()
+    for line in ("#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
+        assert line in train
+    # srun python -m lit_ddp fit, the fragments (configs/trainer/*.yaml) composed before CONFIG
+    assert re.search(r"srun .*\"\$PYTHON\" -m lit_ddp fit[\s\\]+(--config \S+\s+)*--config \"\$CONFIG\"", train)
+    assert re.search(r"torchrun.*--nnodes \"\$SLURM_NNODES\" --nproc_per_node \"\$NPROC\"", elastic)
+    assert "--max-restarts" in elastic and "--rdzv_backend c10d" in elastic and ":${RDZV_PORT:-29500}" in elastic
+    for text in (train, elastic):  # site details belong on the sbatch command line
+        assert not re.search(r"^#SBATCH +(--partition|-p |--account|-A )", text, re.M)
