@@ -22,9 +22,10 @@ from tests.system.helpers_slurm import cancel, hostnames, job_info, require_clus
 SIGNALS = 3
 FT = ["--config", "configs/checkpoint/fault_tolerant.yaml"]  # after CONFIG: train.sbatch passes it on
 TASKS = {
-    "regression": ["configs/regression/slurm.yaml", *FT, "--trainer.max_epochs", "120", *QUIET],
-    # 5000 steps: three delays of up to 45 s of training each must not reach the end (2000 did once: the third
-    # run resumed at step 1048 and finished before its signal).
+    # Long enough that three delays of up to 45 s of training each cannot reach the end: 120 regression epochs
+    # (~40 s here) did once (the third run resumed at epoch 119 and finished before its signal), 2000 minGPT
+    # steps too (the third run resumed at step 1048).
+    "regression": ["configs/regression/slurm.yaml", *FT, "--trainer.max_epochs", "500", *QUIET],
     "mingpt": [
         "configs/mingpt/slurm.yaml", *FT, *TINY_GPT_ARGS,
         "--trainer.max_epochs", "-1", "--trainer.max_steps", "5000", "--trainer.val_check_interval", "500",
