@@ -40,7 +40,7 @@ FAILURE_EXIT_CODE = LitDDPError.exit_code
 # instantiated, before any process starts; once training runs, only those raised by lit_ddp's own checks.
 CONFIG_ERRORS = (MisconfigurationException, ValueError, FileNotFoundError, IsADirectoryError)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(lit_ddp.__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec("torch").origin or ""))
+_TORCH_DIR = os.path.dirname(os.path.abspath(getattr(importlib.util.find_spec("torch"), "origin", None) or ""))
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
