@@ -21,7 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_ddp.generate import generate_main, sample
 from lit_ddp.launch.preflight import check_config_files
-from lit_ddp.launch.reporting import report
+from lit_ddp.launch.reporting import report, silence_library_noise
 from lit_ddp.resilience import ResilientCLI
 from lit_ddp.tasks.mingpt import GPTModule
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
@@ -101,6 +101,7 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
         generate_main(argv[1:])
         return None
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    silence_library_noise()
 
     def run() -> LitDDPCLI:
         check_config_files(argv)

@@ -99,3 +99,5 @@ class RegressionDataModule(LightningDataModule):
     def val_dataloader(self) -> StatefulDataLoader:
         hp = cast(Any, self.hparams)
         return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)
+
+    test_dataloader = val_dataloader  # no third split: `lit-ddp test` scores the held-out one

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import sys
@@ -39,6 +40,7 @@ FAILURE_EXIT_CODE = LitDDPError.exit_code
 # instantiated, before any process starts; once training runs, only those raised by lit_ddp's own checks.
 CONFIG_ERRORS = (MisconfigurationException, ValueError, FileNotFoundError, IsADirectoryError)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(lit_ddp.__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(getattr(importlib.util.find_spec("torch"), "origin", None) or ""))
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -135,15 +137,34 @@ def _exit_once(e: BaseException, code: int) -> NoReturn:
 
 
 def is_peer_lost(e: BaseException) -> bool:
-    """Whether ``e`` (or what caused it) says that another rank's process went away."""
+    """Whether ``e`` (or what caused it) is torch's report that another rank's process went away: a
+    ``torch.distributed`` error, or one raised inside torch (gloo's errors surface in DDP's backward), whose
+    message says a connection was lost. A lost connection of anything else (an HTTP download in
+    ``prepare_data``, an s3fs write) is a failure of this rank, reported with its traceback."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        if any(pattern in str(cur) for pattern in PEER_LOST):
+        if any(pattern in str(cur) for pattern in PEER_LOST) and _raised_by_torch(cur):
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def _raised_by_torch(e: BaseException) -> bool:
+    """A ``torch.distributed`` error, or a non-OS error whose innermost frame is torch's or one of our own
+    collectives' (a C++ backend error surfaces at the Python call into it)."""
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistError):
+        return True
+    if isinstance(e, OSError):  # sockets, HTTP and object stores raise OSErrors; torch's backends do not
+        return False
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
+    return where.startswith((_TORCH_DIR + os.sep, os.path.join(_PACKAGE_DIR, "resilience") + os.sep))
 
 
 def _exit_from_rank(e: BaseException) -> NoReturn:
@@ -209,3 +230,26 @@ def release_process_group() -> None:
         # A broken group cannot be destroyed cleanly; exiting is what is left then.
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+# Lines other libraries print on every command that say nothing about the run: advertisements, deprecations
+# inside Lightning's and torchdata's own code, and Lightning's srun hint on any machine where srun exists
+# (preflight checks the launch instead).
+NOISE_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\)",  # Lightning's utilities/_pytree.py on torch >= 2.10
+    r".*set_vital",  # torchdata's StatefulDataLoader
+    r"The `srun` command is available on your system but is not used",
+)
+NOISE_INFO_PREFIX = "💡 Tip:"  # Lightning's litlogger / litmodels advertisements
+
+
+def silence_library_noise() -> None:
+    """Drops :data:`NOISE_WARNINGS` and Lightning's advertisements from this process's output."""
+    import logging
+    import warnings
+
+    for pattern in NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.getMessage()).startswith(NOISE_INFO_PREFIX)
+    )

@@ -31,6 +31,7 @@ from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
 from lit_ddp.resilience.preemption import PreemptionCheckpoint
 from lit_ddp.resilience.resume import RESUME_AUTO, check_resumable, resume_from_agreed_checkpoint
+from lit_ddp.resilience.run_lock import hold_run_directory
 
 DEFAULT_ROOT_DIR = "runs/default"
 
@@ -51,6 +52,8 @@ class ResilientCLI(LightningCLI):
     - ``checkpoint.*`` configures a ModelCheckpoint (:class:`PeriodicCheckpoint`, which also takes
       ``every_n_train_steps`` and ``train_time_interval`` together) writing to
       ``<trainer.default_root_dir>/checkpoints``; the tutorial's ``save_every`` is ``checkpoint.every_n_epochs``.
+      With no trigger set it saves every epoch (ModelCheckpoint's default); a trigger given alone
+      (``--checkpoint.every_n_train_steps 50``) is the only one.
     - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank).
     - Every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint` (``trainer_defaults``), and
       writes every checkpoint
@@ -74,7 +77,6 @@ class ResilientCLI(LightningCLI):
             {
                 "checkpoint.save_last": True,
                 "checkpoint.save_top_k": -1,
-                "checkpoint.every_n_epochs": 1,
                 "trainer.default_root_dir": DEFAULT_ROOT_DIR,
             }
         )
@@ -97,6 +99,8 @@ class ResilientCLI(LightningCLI):
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
         run_preflight(config.get("trainer"))
+        if self.subcommand == "fit":  # one live job per run directory (rank zero holds it until it exits)
+            hold_run_directory(str(config.trainer.get("default_root_dir") or DEFAULT_ROOT_DIR))
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         trainer_config = self._get(self.config_init, "trainer", default={})
@@ -106,14 +110,25 @@ class ResilientCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
-        mark_running()  # from here on, failures are reported by the rank they happen on
+        self._start_run(resume=True)
+
+    def before_validate(self) -> None:
+        self._start_run(resume=False)
+
+    def before_test(self) -> None:
+        self._start_run(resume=False)
+
+    def _start_run(self, resume: bool) -> None:
+        """Failures reported per rank from here on; the process group on torchrun's shared store; without
+        ``--ckpt_path``, the run directory's newest valid checkpoint (``fit`` resumes it, ``validate`` / ``test``
+        evaluate it; a warning says when there is none), chosen once every rank has joined."""
+        mark_running()
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy):  # torchrun's shared store: a prefix per restart (.elastic)
             init_process_group_on_shared_store(*compat.process_group_settings(strategy))
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") is None:
-            # Resolved once every rank has joined: rank zero picks, every rank checks it can read the file.
             root = self.trainer.default_root_dir
             check_resumable(root, checkpoint_dir(root))  # before the logger writes anything
-            resume_from_agreed_checkpoint(self.trainer, checkpoint_dir(root))
+            resume_from_agreed_checkpoint(self.trainer, checkpoint_dir(root), required=not resume)
             config["ckpt_path"] = RESUME_AUTO

@@ -19,7 +19,7 @@ import fsspec
 import torch.distributed as dist
 from fsspec.core import url_to_fs
 from lightning.pytorch import Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_ddp import compat
 from lit_ddp.launch.errors import NoValidCheckpointError, ResumePointError
@@ -235,15 +235,21 @@ def agree_on_resume_checkpoint(trainer: Any, root_dir: str, checkpoint_dir: str)
     return path
 
 
-def resume_from_agreed_checkpoint(trainer: Trainer, checkpoint_dir: str) -> None:
-    """Makes ``trainer.fit(ckpt_path=RESUME_AUTO)`` resume from the checkpoint the ranks agree on once the
-    process group exists (:func:`agree_on_resume_checkpoint`); Lightning's own choice (``ckpt_path="last"`` /
-    ``"hpc"``) is per rank and by file name or time."""
+def resume_from_agreed_checkpoint(trainer: Trainer, checkpoint_dir: str, required: bool = False) -> None:
+    """Makes ``trainer.fit/validate/test(ckpt_path=RESUME_AUTO)`` start from the checkpoint the ranks agree on
+    once the process group exists (:func:`agree_on_resume_checkpoint`); Lightning's own choice
+    (``ckpt_path="last"`` / ``"hpc"``) is per rank and by file name or time. ``required``: warn when the run
+    directory has none (an evaluation would score the untrained weights)."""
 
     def resolve() -> str | None:
         path = agree_on_resume_checkpoint(trainer, trainer.default_root_dir, checkpoint_dir)
         if path is not None:
-            rank_zero_info(f"Resuming from {path}")
+            rank_zero_info(f"{'Evaluating' if required else 'Resuming from'} {path}")
+        elif required:
+            rank_zero_warn(
+                f"No checkpoint in {trainer.default_root_dir}: evaluating the untrained model. Give --ckpt_path, or "
+                "the trainer.default_root_dir of the run to evaluate."
+            )
         return path
 
     compat.install_resume_resolver(trainer, RESUME_AUTO, resolve)

@@ -176,8 +176,12 @@ class GPTModule(LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # all-reduced: the same value on every rank
         self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val/ppl", torch.exp(loss), sync_dist=True)
+        stage = "test" if self.trainer.testing else "val"
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
+
+    test_step = validation_step  # `lit-ddp test`: the held-out split (CharDataModule.test_dataloader)
+    on_test_epoch_end = on_validation_epoch_end
 
     def _flops_per_token(self, seq_len: int) -> int:
         if self._flops[0] != seq_len:  # counted once per length: it walks every parameter

@@ -58,8 +58,11 @@ class RegressionModule(LightningModule):
         preds = self(x)
         self.val_mse(preds, y)
         self.val_r2(preds.squeeze(-1), y.squeeze(-1))
-        self.log("val/loss", self.val_mse, on_epoch=True, prog_bar=True)
-        self.log("val/r2", self.val_r2, on_epoch=True)
+        stage = "test" if self.trainer.testing else "val"
+        self.log(f"{stage}/loss", self.val_mse, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}/r2", self.val_r2, on_epoch=True)
+
+    test_step = validation_step  # `lit-ddp test`: the held-out split (RegressionDataModule.test_dataloader)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = cast(Any, self.hparams)  # an AttributeDict of __init__'s arguments

@@ -81,3 +81,31 @@ def test_report_prints_once_and_exits(capsys: pytest.CaptureFixture, monkeypatch
         assert exc.value.code == reporting.USAGE_EXIT_CODE
     err = capsys.readouterr().err
     assert err.count("lit-ddp: error:") == 1, err  # task 0 only
+
+
+def test_only_torch_reports_a_lost_peer() -> None:
+    """A lost connection counts as "another rank went away" only when torch says so (issue 21, item 8)."""
+    import torch.distributed as dist
+
+    from lit_ddp.launch.reporting import is_peer_lost
+
+    def download() -> None:
+        raise ConnectionRefusedError("[Errno 111] Connection refused")  # e.g. an HTTP error in prepare_data
+
+    def s3_write() -> None:
+        try:
+            raise OSError("Connection reset by peer")
+        except OSError as e:
+            raise RuntimeError("s3fs could not write the checkpoint") from e
+
+    for fn in (download, s3_write):
+        with pytest.raises(Exception) as exc:
+            fn()
+        assert not is_peer_lost(exc.value)
+    assert is_peer_lost(dist.DistBackendError("NCCL communicator was aborted on rank 1"))
+    try:
+        raise dist.DistNetworkError("Connection closed by peer")
+    except dist.DistNetworkError as e:
+        wrapped = RuntimeError("training step failed")
+        wrapped.__cause__ = e
+        assert is_peer_lost(wrapped)

@@ -34,3 +34,50 @@ def test_another_checkpoint_io_is_kept(tmp_path: Path) -> None:
         "--trainer.default_root_dir", str(tmp_path),
     )  # fmt: skip
     assert type(trainer.strategy.checkpoint_io) is AsyncAtomicCheckpointIO
+
+
+@pytest.mark.parametrize(
+    ("args", "steps", "epochs"),
+    [
+        ([], 0, 1),  # no trigger: every epoch, as ModelCheckpoint does by default
+        (["--checkpoint.every_n_train_steps", "50"], 50, 0),  # a trigger given alone is the only one
+        (["--checkpoint.every_n_epochs", "2"], 0, 2),
+    ],
+)
+def test_a_checkpoint_trigger_given_alone_is_the_only_one(
+    tmp_path: Path, args: list[str], steps: int, epochs: int
+) -> None:
+    config = ["--config", str(REPO / "configs/mingpt/cpu.yaml"), "--trainer.devices", "1"]
+    trainer = trainer_of(*config, *args, "--trainer.default_root_dir", str(tmp_path))
+    ckpt = trainer.checkpoint_callback
+    assert (ckpt._every_n_train_steps, ckpt._every_n_epochs) == (steps, epochs)
+
+
+def test_fit_holds_the_run_directory(tmp_path: Path) -> None:
+    from lit_ddp.resilience.run_lock import HOLDER_FILE
+
+    trainer_of(
+        "--config", str(REPO / "configs/regression/single_device.yaml"), "--trainer.default_root_dir", str(tmp_path)
+    )
+    assert str(__import__("os").getpid()) in (tmp_path / HOLDER_FILE).read_text()
+
+
+def test_validate_and_test_evaluate_the_run_directory(tmp_path: Path) -> None:
+    """Without --ckpt_path, validate and test score the run directory's newest checkpoint, as fit resumes it;
+    with none there, a warning says the untrained model is scored (issue 21, item 2)."""
+    config = [
+        "--config",
+        str(REPO / "configs/regression/single_device.yaml"),
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    with pytest.warns(UserWarning, match="No checkpoint in .*: evaluating the untrained model"):
+        untrained = cli_main(["validate", *config, *QUIET])
+    assert untrained is not None
+    fit = cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "2"])
+    assert fit is not None
+    fitted = float(fit.trainer.callback_metrics["val/loss"])
+    for subcommand, key in (("validate", "val/loss"), ("test", "test/loss")):
+        cli = cli_main([subcommand, *config, *QUIET])
+        assert cli is not None and float(cli.trainer.callback_metrics[key]) == fitted
+    assert float(untrained.trainer.callback_metrics["val/loss"]) != fitted

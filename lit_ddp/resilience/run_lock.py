@@ -1,0 +1,85 @@
+"""One live job per run directory: an OS lock (``flock``, through the ``filelock`` library) that the kernel
+releases when its holder dies, so a SIGKILLed run, a torchrun restart and a Slurm requeue are never blocked.
+
+Two jobs in one run directory overwrite each other's ``last.ckpt``, delete each other's files through top-k, and
+resume from each other's checkpoints. Global rank zero of a ``fit`` job takes the lock before any process group or
+file exists and holds it until it exits; a second launch stops with one line naming the directory and the holder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+from filelock import FileLock, Timeout
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_ddp.launch.errors import UsageError
+from lit_ddp.resilience.checkpoint_io import write_atomic
+
+LOCK_FILE = ".lit_ddp.lock"
+HOLDER_FILE = ".lit_ddp.holder.json"  # apart from the lock file, which filelock truncates when it opens it
+
+_held: dict[str, FileLock] = {}  # by path, for the life of the process: the lock goes when the process does
+
+
+class RunDirectoryBusy(UsageError):
+    """Another live job holds the run directory."""
+
+
+def job_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """This process's global rank as the launcher set it, before any process group exists; None for the
+    processes that Lightning's own launcher starts (they belong to the job whose rank zero holds the lock)."""
+    env = os.environ if env is None else env
+    if "RANK" in env:  # torchrun
+        return int(env["RANK"])
+    if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):  # srun
+        return int(env["SLURM_PROCID"])
+    if "LOCAL_RANK" in env or int(env.get("NODE_RANK", "0") or 0) > 0:  # started by Lightning's launcher
+        return None
+    return 0
+
+
+def hold_run_directory(root: str, env: Mapping[str, str] | None = None) -> bool:
+    """Takes the run directory's lock if this process is the job's rank zero; returns whether it did.
+
+    Raises:
+        RunDirectoryBusy: another live process holds it; the message names the directory and the holder
+            (host, pid, start time, command).
+    """
+    if job_rank(env) != 0:
+        return False
+    fs, path = url_to_fs(str(root))
+    if not isinstance(fs, LocalFileSystem):
+        rank_zero_warn(f"The run directory {root} is not local and cannot be locked: make sure one job uses it.")
+        return False
+    os.makedirs(path, exist_ok=True)
+    lock_path = os.path.realpath(os.path.join(path, LOCK_FILE))
+    if lock_path in _held:  # a second fit in this process (from Python): it is ours already
+        return True
+    lock = FileLock(lock_path, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RunDirectoryBusy(
+            f"the run directory {root} is in use by another live job ({_holder(path)}); wait for it to end, stop "
+            "it, or give this run another trainer.default_root_dir"
+        ) from None
+    _held[lock_path] = lock
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "start": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    write_atomic(os.path.join(path, HOLDER_FILE), json.dumps(holder).encode())
+    return True
+
+
+def _holder(path: str) -> str:
+    try:
+        with open(os.path.join(path, HOLDER_FILE)) as f:
+            h = json.load(f)
+        return f"pid {h['pid']} on {h['host']}, started {h['start']}"
+    except (OSError, ValueError, KeyError):
+        return "its holder is unknown"
