@@ -24,6 +24,7 @@ from lit_ddp.resilience.checkpoint_io import write_atomic
 
 LOCK_FILE = ".lit_ddp.lock"
 HOLDER_FILE = ".lit_ddp.holder.json"  # apart from the lock file, which filelock truncates when it opens it
+ORPHAN_WAIT_S = 30.0  # how long a dead holder's forked children may keep its lock
 
 _held: dict[str, FileLock] = {}  # by path, for the life of the process: the lock goes when the process does
 
@@ -50,7 +51,7 @@ def hold_run_directory(root: str, env: Mapping[str, str] | None = None) -> bool:
 
     Raises:
         RunDirectoryBusy: another live process holds it; the message names the directory and the holder
-            (host, pid, start time, command).
+            (host, pid, start time).
     """
     if job_rank(env) != 0:
         return False
@@ -66,20 +67,47 @@ def hold_run_directory(root: str, env: Mapping[str, str] | None = None) -> bool:
     try:
         lock.acquire()
     except Timeout:
-        raise RunDirectoryBusy(
-            f"the run directory {root} is in use by another live job ({_holder(path)}); wait for it to end, stop "
-            "it, or give this run another trainer.default_root_dir"
-        ) from None
+        holder = _holder_record(path)
+        if not _holder_gone(holder):
+            raise RunDirectoryBusy(
+                f"the run directory {root} is in use by another live job ({_describe(holder)}); wait for it to end, "
+                "stop it, or give this run another trainer.default_root_dir"
+            ) from None
+        # The holder died (a restart or requeue): processes it forked (data-loader workers) share its lock until
+        # their watchdog sees the parent gone, within seconds.
+        try:
+            lock.acquire(timeout=ORPHAN_WAIT_S)
+        except Timeout:
+            raise RunDirectoryBusy(
+                f"the run directory {root} is still locked {ORPHAN_WAIT_S:.0f} s after its holder ({_describe(holder)}) "
+                "ended: processes it started are still alive; end them"
+            ) from None
     _held[lock_path] = lock
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "start": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     write_atomic(os.path.join(path, HOLDER_FILE), json.dumps(holder).encode())
     return True
 
 
-def _holder(path: str) -> str:
+def _holder_record(path: str) -> dict | None:
     try:
         with open(os.path.join(path, HOLDER_FILE)) as f:
-            h = json.load(f)
-        return f"pid {h['pid']} on {h['host']}, started {h['start']}"
-    except (OSError, ValueError, KeyError):
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _describe(holder: dict | None) -> str:
+    if not holder:
         return "its holder is unknown"
+    return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('start')}"
+
+
+def _holder_gone(holder: dict | None) -> bool:
+    """Whether the recorded holder is a process of this host that no longer runs (a zombie counts as gone)."""
+    if not holder or holder.get("host") != socket.gethostname():
+        return False
+    try:
+        with open(f"/proc/{int(holder['pid'])}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, ValueError, KeyError, IndexError):
+        return True
