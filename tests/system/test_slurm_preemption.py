@@ -75,8 +75,11 @@ def test_random_preemptions_requeue_and_end_exact(tmp_path: Path, seed: int) -> 
     jobs = {}
     try:
         for task in TASKS:
-            jobs[f"{task}-ref"] = submit(tmp_path, task, f"{task}-ref")
-            jobs[f"{task}-pre"] = submit(tmp_path, task, f"{task}-pre")
+            for kind in ("ref", "pre"):
+                jobs[f"{task}-{kind}"] = submit(tmp_path, task, f"{task}-{kind}")
+                # One launch at a time: the local cluster's slurmd once died launching four jobs in the same
+                # second (its log ends at "Launching batch job"; Slurm 22.05, several slurmd on one host).
+                time.sleep(2)
         with ThreadPoolExecutor(len(TASKS)) as pool:  # both preempted jobs at once, each with its own delays
             futures = {
                 task: pool.submit(preempt, jobs[f"{task}-pre"][0], random.Random(rng.random()), jobs[f"{task}-pre"][1])
