@@ -245,6 +245,8 @@ def resume_from_agreed_checkpoint(trainer: Trainer, checkpoint_dir: str, require
         path = agree_on_resume_checkpoint(trainer, trainer.default_root_dir, checkpoint_dir)
         if path is not None:
             rank_zero_info(f"{'Evaluating' if required else 'Resuming from'} {path}")
+            if not required and trainer.is_global_zero:
+                warn_changed_hyperparameters(path, dict(trainer.lightning_module.hparams))
         elif required:
             rank_zero_warn(
                 f"No checkpoint in {trainer.default_root_dir}: evaluating the untrained model. Give --ckpt_path, or "
@@ -253,3 +255,25 @@ def resume_from_agreed_checkpoint(trainer: Trainer, checkpoint_dir: str, require
         return path
 
     compat.install_resume_resolver(trainer, RESUME_AUTO, resolve)
+
+
+def warn_changed_hyperparameters(path: str, configured: dict[str, Any]) -> list[str]:
+    """Warns, key by key, where the config's model hyperparameters differ from those the checkpoint was written
+    with: a resume restores the optimizer and LR scheduler states, which keep the checkpoint's rates and schedule
+    whatever the config now says (only the model is built from the config). Returns the keys.
+    """
+    saved = checkpoint_header(path).get("hyper_parameters") or {}
+    changed = [
+        k for k, v in configured.items() if k in saved and not k.startswith("_") and _plain(saved[k]) != _plain(v)
+    ]
+    for key in changed:
+        rank_zero_warn(
+            f"Resuming from {path}, written with model.init_args.{key}={saved[key]!r}; the config now says "
+            f"{configured[key]!r}. The restored optimizer and learning-rate schedule keep the checkpoint's values: "
+            "start a new run (another trainer.default_root_dir) to train with the new ones."
+        )
+    return changed
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value

@@ -73,3 +73,28 @@ def test_resume_order_is_by_recorded_step_not_file_time(tmp_path: Path) -> None:
     for name in ("epoch=0-step=12.ckpt",):
         (copy / "checkpoints" / name).unlink()
     assert find_resume_checkpoint(str(copy)) == str(copy / "hpc_ckpt_10.ckpt"), "hpc_ckpt_10 beats hpc_ckpt_9"
+
+
+def test_a_resume_warns_about_each_changed_hyperparameter(tmp_path: Path) -> None:
+    """An automatic resume with an edited learning rate says the restored optimizer keeps the checkpoint's
+    (issue 21, item 5); an unchanged config resumes quietly."""
+    import warnings
+
+    from lit_ddp.cli import cli_main
+    from tests.helpers import QUIET, REPO
+
+    config = [
+        "--config",
+        str(REPO / "configs/regression/single_device.yaml"),
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "1"])
+    with pytest.warns(
+        UserWarning, match=r"written with model.init_args.learning_rate=0.001; the config now says 0.002"
+    ):
+        cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "2", "--model.init_args.learning_rate", "0.002"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "3", "--model.init_args.learning_rate", "0.002"])
+    assert not [w for w in caught if "written with model.init_args" in str(w.message)]
