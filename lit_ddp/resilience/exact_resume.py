@@ -66,7 +66,7 @@ class ExactResume(Callback):
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         local = {
-            "rng": _rng_states_to_tensors(compat.collect_rng_states(include_cuda=torch.cuda.is_available())),
+            "rng": collect_rng_states(trainer.strategy.root_device),
             "train_loaders": compat.train_loader_states(trainer),
         }
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -126,7 +126,7 @@ class ExactResume(Callback):
             _purge_tensorboard_from(trainer, self._purge_step)
             self._purge_pending = False
         if self._rng_states is not None:
-            compat.set_rng_states(_rng_states_from_tensors(self._rng_states))
+            restore_rng_states(self._rng_states, trainer.strategy.root_device, trainer.local_rank)
             self._rng_states = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -138,6 +138,30 @@ class ExactResume(Callback):
                     "some steps may show twice or be missing."
                 )
             self._purge_step = None
+
+
+def collect_rng_states(device: torch.device) -> dict[str, Any]:
+    """This rank's RNG states: torch, numpy (as a tensor), Python, and the CUDA generator of its own ``device``
+    only. Lightning's collector saves every visible GPU's state, which a resume with fewer visible GPUs (one
+    process for debugging, ``--gpus-per-task``) cannot restore (``set_rng_state_all`` raises IndexError)."""
+    states = _rng_states_to_tensors(compat.collect_rng_states(include_cuda=False))
+    if device.type == "cuda":
+        states["cuda_device"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def restore_rng_states(states: dict[str, Any], device: torch.device, local_rank: int = 0) -> None:
+    """Restores :func:`collect_rng_states`' states on ``device``; an older checkpoint's every-GPU list
+    (``"torch.cuda"``) gives the entry of this rank's ``local_rank`` where it has one."""
+    states = dict(states)
+    own, every_gpu = states.pop("cuda_device", None), states.pop("torch.cuda", None)
+    compat.set_rng_states(_rng_states_from_tensors(states))
+    if device.type != "cuda":
+        return
+    if own is None and every_gpu is not None and local_rank < len(every_gpu):
+        own = every_gpu[local_rank]
+    if own is not None:
+        torch.cuda.set_rng_state(own, device)
 
 
 def _rng_states_to_tensors(states: dict[str, Any]) -> dict[str, Any]:

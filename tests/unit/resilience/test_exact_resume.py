@@ -1,0 +1,60 @@
+"""lit_ddp.resilience.exact_resume: RNG states per rank, the CUDA one of the rank's own device only (issue 21,
+item 7), restored with fewer visible GPUs than were saved; simulated on CPU."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lit_ddp.resilience.exact_resume import collect_rng_states, restore_rng_states
+
+
+def test_cpu_states_roundtrip() -> None:
+    states = collect_rng_states(torch.device("cpu"))
+    assert "cuda_device" not in states and "torch.cuda" not in states
+    expected = (torch.rand(2), np.random.rand(), random.random())
+    restore_rng_states(states, torch.device("cpu"))
+    got = (torch.rand(2), np.random.rand(), random.random())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+class FakeCuda:
+    """One visible GPU: torch.cuda's state functions for device 0 only (device 3 raises, as a missing GPU)."""
+
+    def __init__(self) -> None:
+        self.set_calls: list[tuple[torch.Tensor, torch.device]] = []
+
+    def get_rng_state(self, device: torch.device) -> torch.Tensor:
+        assert device.index == 0
+        return torch.arange(4, dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
+        if device.index != 0:
+            raise IndexError(f"no GPU {device.index}")
+        self.set_calls.append((state, device))
+
+
+def test_only_the_own_device_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
+    gpu0 = torch.device("cuda", 0)
+    states = collect_rng_states(gpu0)
+    assert torch.equal(states["cuda_device"], torch.arange(4, dtype=torch.uint8))
+    restore_rng_states(states, gpu0)
+    assert len(fake.set_calls) == 1 and fake.set_calls[0][1] == gpu0
+
+
+def test_an_every_gpu_checkpoint_resumes_on_fewer_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint from 8 visible GPUs (Lightning's every-device list) on a process that sees one: its own
+    rank's entry goes to its one device; Lightning's set_rng_state_all would index GPUs that do not exist."""
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
+    old = collect_rng_states(torch.device("cpu"))
+    old["torch.cuda"] = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
+    restore_rng_states(old, torch.device("cuda", 0), local_rank=5)
+    [(state, device)] = fake.set_calls
+    assert device.index == 0 and torch.equal(state, torch.full((4,), 5, dtype=torch.uint8))
