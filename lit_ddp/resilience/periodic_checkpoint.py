@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lit_ddp import compat
 from lit_ddp.resilience.deferred import DeferredFlag
 
 
@@ -20,7 +21,8 @@ class PeriodicCheckpoint(ModelCheckpoint):
     T has passed since the last save. The time decision is rank zero's; ``ModelCheckpoint`` broadcasts it
     every step (a blocking object broadcast), here it travels in a non-blocking tensor broadcast started
     after each step and read after the next, so a step never waits for it (a due save happens one step
-    later, on every rank alike). Everything
+    later, on every rank alike). No trigger saves inside a gradient-accumulation window, whose partial gradients
+    no checkpoint holds; it fires at the window's end. Everything
     else (``save_last``, ``save_top_k``, ``monitor``, file names) is ``ModelCheckpoint``'s. To keep the
     newest K step checkpoints: ``monitor="step", mode="max", save_top_k=K``.
 
@@ -69,6 +71,8 @@ class PeriodicCheckpoint(ModelCheckpoint):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if compat.should_accumulate(trainer):
+            return  # inside a gradient-accumulation window: a save would lose the partial gradients (every rank alike)
         interval = self._train_time_interval
         if interval is None or not pl_module.automatic_optimization:
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -78,3 +79,36 @@ def test_resume_keeps_top_k_and_one_last(tmp_path: Path) -> None:
         "epoch=0-step=10.ckpt", "epoch=0-step=8.ckpt", "last.ckpt",
     ]  # fmt: skip
     assert set(resumed.best_k_models) == {str(tmp_path / "ckpt" / f"epoch=0-step={s}.ckpt") for s in (8, 10)}
+
+
+def test_no_save_inside_a_gradient_accumulation_window(tmp_path: Path) -> None:
+    """With accumulate_grad_batches=2 and a time trigger that falls due at either micro-batch, every checkpoint is written at a
+    window's end: a save between its micro-batches would lose the partial gradients (issue 21, item 6)."""
+    from lightning.pytorch import Callback
+
+    from lit_ddp import compat
+
+    class MidWindow(Callback):
+        def __init__(self) -> None:
+            self.saves: list[bool] = []
+
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            self.saves.append(compat.should_accumulate(trainer))
+
+        def on_train_batch_start(self, *args) -> None:
+            time.sleep(0.03)  # the 0.05 s interval passes every second micro-batch, at either place in a window
+
+    ckpt = PeriodicCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        train_time_interval=timedelta(seconds=0.05),
+        monitor="step",
+        mode="max",
+        save_top_k=-1,
+    )
+    probe = MidWindow()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=12, accumulate_grad_batches=2, callbacks=[ckpt, probe], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(RegressionModule(), RegressionDataModule(num_samples=512))
+    assert probe.saves and not any(probe.saves), probe.saves
