@@ -4,6 +4,7 @@ changes (rotary, QK-norm, ReLU², untied head, zero-init projections). Its train
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -84,11 +85,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_overfits_tiny_text(one_thread: None) -> None:
+def overfit_loss(**options: Any) -> float:
+    """The training loss after 150 AdamW steps on one short sentence (a working model memorizes it)."""
     text = "to be or not to be, that is the question. "
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text])
-    model = tiny(vocab_size=len(vocab), n_embd=32).train()
+    model = tiny(vocab_size=len(vocab), n_embd=32, **options).train()
     x = torch.stack([data[i : i + 16] for i in range(len(data) - 16)])
     y = torch.stack([data[i + 1 : i + 17] for i in range(len(data) - 16)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -97,7 +99,11 @@ def test_overfits_tiny_text(one_thread: None) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert loss.item() < 0.1
+    return loss.item()
+
+
+def test_overfits_tiny_text(one_thread: None) -> None:
+    assert overfit_loss() < 0.1
 
 
 def test_generate() -> None:
@@ -227,16 +233,4 @@ def test_untied_head_and_zero_init() -> None:
 
 
 def test_all_options_learn(one_thread: None) -> None:
-    text = "to be or not to be, that is the question. "
-    vocab = sorted(set(text))
-    data = torch.tensor([vocab.index(c) for c in text])
-    model = tiny(vocab_size=len(vocab), n_embd=32, **OPTIONS["all"]).train()
-    x = torch.stack([data[i : i + 16] for i in range(len(data) - 16)])
-    y = torch.stack([data[i + 1 : i + 17] for i in range(len(data) - 16)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):
-        _, loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 0.1
+    assert overfit_loss(**OPTIONS["all"]) < 0.1
