@@ -15,7 +15,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_ddp.data.samplers import resumable_sampler
+from lit_ddp.data.samplers import GlobalOrderSampler
 from lit_ddp.data.sources import DEFAULT_CACHE_DIR, TextSource
 
 
@@ -119,17 +119,13 @@ class CharDataModule(LightningDataModule):
             raise ValueError(f"num_workers={num_workers} must be >= 0")
         self.save_hyperparameters()
         self.text_source = TextSource(path, sha256, cache_dir)  # a bad local path is reported now, before launch
+        self.source = self.text_source.source  # the path or URL, or "embedded" for the package's Tiny Shakespeare
         self.vocab: str | None = None
         self.train_set: CharWindows | None = None
         self.val_set: CharWindows | None = None
 
-    @property
-    def source(self) -> str:
-        """The path or URL the text is read from, or ``"embedded"`` for the package's Tiny Shakespeare."""
-        return self.text_source.source
-
     def prepare_data(self) -> None:
-        self.text_source.local_path()  # a URL is downloaded once, by local rank zero
+        self.text_source.read()  # a URL is downloaded once, by each node's local rank zero
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -151,18 +147,12 @@ class CharDataModule(LightningDataModule):
         self.train_set = CharWindows(data[:n_train], hp.block_size, stride=1)
         self.val_set = CharWindows(data[n_train:], hp.block_size, stride=hp.block_size)
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of distinct characters (after ``setup``)."""
-        assert self.vocab is not None, "vocab_size is known after setup()"
-        return len(self.vocab)
-
     def train_dataloader(self) -> StatefulDataLoader:
         assert self.train_set is not None, "train_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
         # The sampler gives this rank its shard and resumes exactly (Lightning's own wrapper loses its state).
         # Keyword arguments: under DDP Lightning rebuilds the loader from them.
-        sampler = resumable_sampler(self.train_set)
+        sampler = GlobalOrderSampler(self.train_set)  # rank and world size from the process group
         return StatefulDataLoader(
             self.train_set, batch_size=hp.batch_size, sampler=sampler, drop_last=True, num_workers=hp.num_workers
         )

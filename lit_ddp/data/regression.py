@@ -14,7 +14,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_ddp.data.samplers import resumable_sampler
+from lit_ddp.data.samplers import GlobalOrderSampler
 
 
 class RegressionDataModule(LightningDataModule):
@@ -92,7 +92,7 @@ class RegressionDataModule(LightningDataModule):
         return StatefulDataLoader(
             self.train_set,
             batch_size=hp.batch_size,
-            sampler=resumable_sampler(self.train_set),
+            sampler=GlobalOrderSampler(self.train_set),  # rank and world size from the process group
             num_workers=hp.num_workers,
         )
 

@@ -98,10 +98,3 @@ class GlobalOrderSampler(StatefulDistributedSampler):
         if int(state_dict["consumed"]) < 0:
             raise ValueError(f"consumed={state_dict['consumed']} must be >= 0")
         self._resume = dict(state_dict)
-
-
-def resumable_sampler(dataset: Dataset, shuffle: bool = True) -> GlobalOrderSampler:
-    """The train sampler of both tasks (DDP's ``DistributedSampler`` role): a :class:`GlobalOrderSampler` for this
-    process's rank and world size, seeded by ``seed_everything``. Call it in ``train_dataloader``, once Lightning
-    has set up the process group; its position is part of the ``StatefulDataLoader``'s state."""
-    return GlobalOrderSampler(dataset, shuffle=shuffle)

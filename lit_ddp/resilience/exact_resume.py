@@ -7,7 +7,7 @@ before it sets the ``DistributedSampler``'s epoch, so under DDP the rest of the 
 0's permutation (torchdata's ``BatchSampler`` iterates the sampler eagerly). Under DDP, Lightning wraps a
 ``StatefulDataLoader(shuffle=True)``'s own sampler in a ``DistributedSamplerWrapper``, whose inner random
 generator advances every epoch and is saved nowhere: a resume draws different samples (in every later epoch
-too); :func:`lit_ddp.data.samplers.resumable_sampler` gives the loader torchdata's ``StatefulDistributedSampler`` instead. When
+too); :class:`lit_ddp.data.samplers.GlobalOrderSampler` (a torchdata ``StatefulDistributedSampler``) replaces it. When
 ``trainer.estimated_stepping_batches`` is called before the restore (e.g. in ``configure_optimizers`` for an
 LR schedule), the loader state is not restored at all (Lightning issue 20550). :class:`ExactResume` closes
 these gaps.
@@ -110,7 +110,7 @@ class ExactResume(Callback):
             rank_zero_warn(
                 "Lightning wrapped a train sampler in DistributedSamplerWrapper, whose inner sampler's random "
                 "state is in no checkpoint: a resume will not draw the same samples. Give the train loader "
-                "`sampler=lit_ddp.data.samplers.resumable_sampler(dataset)`."
+                "`sampler=lit_ddp.data.samplers.GlobalOrderSampler(dataset)`."
             )
         if self._loader_states and fit_loop.restarted_mid_epoch:
             # draws from the RNGs while the iterator is built: before their restore below

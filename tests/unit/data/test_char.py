@@ -30,7 +30,7 @@ def test_packaged_text_is_tiny_shakespeare(tiny_shakespeare: Path) -> None:
     dm = CharDataModule(path=str(tiny_shakespeare), sha256=TINY_SHAKESPEARE_SHA256)
     dm.prepare_data()
     dm.setup("fit")
-    assert dm.vocab_size == 65
+    assert len(dm.vocab) == 65
     assert dm.train_set.data.numel() + dm.val_set.data.numel() == 1115394
 
 
