@@ -23,7 +23,7 @@ Optimizers, the job's (:func:`lit_ddp.recipe.build_optimizer`): ``adamw`` (minGP
 ``muon`` (``torch.optim.Muon`` for the blocks' matrices at ``--muon_lr``, AdamW for the rest at ``--lr``).
 On a CPU without bf16 units, ``torch.optim.Muon``'s bf16 Newton-Schulz is slow; ``--cost`` shows it.
 
-    nice -n 10 .venv/bin/python -m bench.explore_recipe --procs 1 --steps 2000 --rope --activation relu2
+    nice -n 10 .venv/bin/python -m bench.explore_recipe --procs 1 --steps 2000 --rope --optimizer muon
     nice -n 10 .venv/bin/python -m bench.explore_recipe --cost --n_layer 4 --n_embd 128 --n_head 4
 """
 
@@ -58,10 +58,6 @@ def build(args: argparse.Namespace, vocab_size: int) -> GPT:
         vocab_size=vocab_size,
         bias=args.bias,
         rope=args.rope,
-        qk_norm=args.qk_norm,
-        activation=args.activation,
-        tie_weights=not args.untied,
-        zero_init_proj=args.zero_init,
     )
     return GPT(config)
 
@@ -175,7 +171,7 @@ def step_cost(args: argparse.Namespace, rounds: int = 7, steps: int = 10) -> dic
 
 BASELINE = {
     "model_type": "gpt-nano", "n_layer": None, "n_head": None, "n_embd": None, "block_size": 64, "batch_size": 64,
-    "bias": True, "rope": False, "qk_norm": False, "activation": "gelu", "untied": False, "zero_init": False,
+    "bias": True, "rope": False,
     "optimizer": "adamw", "procs": 2,
 }  # fmt: skip
 """The job's recipe in ``configs/mingpt/cpu.yaml`` before this exploration (2 processes x 32 windows)."""
@@ -195,10 +191,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch_size", type=int, default=64, help="windows per step, over all processes")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--rope", action="store_true")
-    p.add_argument("--qk_norm", action="store_true")
-    p.add_argument("--activation", default="gelu", choices=["gelu", "relu2"])
-    p.add_argument("--untied", action="store_true")
-    p.add_argument("--zero_init", action="store_true")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     p.add_argument("--muon_lr", type=float, default=0.02)

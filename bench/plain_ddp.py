@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--n_embd", type=int, default=None, help="overrides the preset")
     parser.add_argument(
         "--gpt", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
-        help="another GPTConfig field (bias=false, rope=true, activation=relu2...); repeatable",
+        help="another GPTConfig field (bias=false, rope=true, dropout=0.1...); repeatable",
     )  # fmt: skip
     parser.add_argument("--block_size", type=int, default=64)
     parser.add_argument("--batch_size", type=int, default=32, help="windows per process and step (ddp)")

@@ -2,10 +2,8 @@
 how it is trained is :mod:`lit_ddp.recipe`.
 
 Sources: Karpathy's nanoGPT ``model.py`` (structure, GPT-2 init, ``generate``) and minGPT (presets), MIT; the DDP
-tutorial's ``minGPT-ddp/mingpt/model.py`` (its sizes). Optional changes, all off by default (then this is GPT-2 bit
-for bit), from the NanoGPT speedrun's record log (github.com/KellerJordan/modded-nanogpt, "World record history"):
-``rope`` (record 2), ``qk_norm``, ``activation="relu2"``, ``zero_init_proj`` (record 5), ``tie_weights=False``
-(record 8); papers at each ``GPTConfig`` field.
+tutorial's ``minGPT-ddp/mingpt/model.py`` (its sizes). One option, off by default (then this is GPT-2 bit for
+bit): ``rope``, rotary position embeddings, record 2 of the NanoGPT speedrun (github.com/KellerJordan/modded-nanogpt).
 
 The tutorial's model adds a float 0/1 ``tril`` mask to the attention scores, which blocks nothing: it sees the
 future. Here ``F.scaled_dot_product_attention(is_causal=True)``: position ``t`` attends to positions ``<= t``.
@@ -37,7 +35,7 @@ class GPTConfig:
 
     Raises:
         ValueError: a non-positive size, ``n_embd`` not divisible by ``n_head``, ``dropout`` outside [0, 1),
-            an unknown ``activation``, or ``rope`` with an odd head size.
+            or ``rope`` with an odd head size.
     """
 
     n_layer: int = 3
@@ -56,14 +54,6 @@ class GPTConfig:
     """Biases in Linear and LayerNorm layers (GPT-2 has them)."""
     rope: bool = False
     """Rotary position embeddings instead of the learned ``wpe`` (Su et al., "RoFormer", arXiv:2104.09864)."""
-    qk_norm: bool = False
-    """RMSNorm of each head's q and k, with a learned gain (Henry et al., arXiv:2010.04245)."""
-    activation: str = "gelu"
-    """MLP nonlinearity: ``"gelu"`` (GPT-2) or ``"relu2"``, ``relu(x)**2`` (So et al., "Primer", arXiv:2109.08668)."""
-    tie_weights: bool = True
-    """The head shares the token embedding's weight (Press & Wolf, arXiv:1608.05859); False unties it."""
-    zero_init_proj: bool = False
-    """Residual output projections (``*.c_proj.weight``), and an untied head, start at zero."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -73,8 +63,6 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r} must be one of {sorted(ACTIVATIONS)}")
         if self.rope and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope needs an even head size; n_embd // n_head = {self.n_embd // self.n_head}")
 
@@ -116,10 +104,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v together
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        hs = config.n_embd // config.n_head
-        self.q_norm = nn.RMSNorm(hs) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(hs) if config.qk_norm else None
-        self.rotary = Rotary(hs, config.block_size) if config.rope else None
+        self.rotary = Rotary(config.n_embd // config.n_head, config.block_size) if config.rope else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)``."""
@@ -128,8 +113,6 @@ class CausalSelfAttention(nn.Module):
             t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
             for t in self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         ]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         y = F.scaled_dot_product_attention(
@@ -139,29 +122,19 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-class ReLU2(nn.Module):
-    """``relu(x)**2`` (Primer's squared ReLU), elementwise."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x).square()
-
-
-ACTIVATIONS: dict[str, type[nn.Module]] = {"gelu": nn.GELU, "relu2": ReLU2}
-
-
 class MLP(nn.Module):
-    """Position-wise feed-forward: ``C -> 4C -> activation (GELU) -> C``."""
+    """Position-wise feed-forward: ``C -> 4C -> GELU -> C``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.act = ACTIVATIONS[config.activation]()
+        self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)``."""
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -195,16 +168,11 @@ class GPT(nn.Module):
         modules["ln_f"] = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.transformer = nn.ModuleDict(modules)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_weights:
-            self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying (Press & Wolf, arXiv:1608.05859)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-                if config.zero_init_proj:  # after the draw: the other weights' values stay the same
-                    nn.init.zeros_(p)
-        if config.zero_init_proj and not config.tie_weights:
-            nn.init.zeros_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -216,14 +184,11 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_parameters(self, non_embedding: bool = True) -> int:
-        """Parameter count; ``non_embedding`` leaves out the lookup tables, as nanoGPT reports it: the
-        position embedding, and the token embedding unless it is tied to the head (then it counts)."""
+        """Parameter count; ``non_embedding`` leaves out the position embedding, as nanoGPT reports it (the token
+        embedding is the head's weight: it counts)."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            if "wpe" in self.transformer:
-                n -= self.transformer.wpe.weight.numel()
-            if not self.config.tie_weights:
-                n -= self.transformer.wte.weight.numel()
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -268,20 +233,10 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """``idx (B, T) -> (B, T + max_new_tokens)``: the prompt followed by sampled ids, each fed back in (the
-        last ``block_size`` are the context). ``temperature`` divides the logits (0: greedy); ``top_k`` keeps the
-        most likely; ``generator`` makes samples reproducible. Call ``eval()`` first for dropout-free sampling.
-
-        Raises:
-            ValueError: negative ``max_new_tokens`` or ``temperature``, ``top_k < 1``, or an empty prompt.
+        last ``block_size`` are the context). ``temperature > 0`` divides the logits (0: greedy); ``top_k >= 1``
+        keeps the most likely; ``generator`` makes samples reproducible. Call ``eval()`` first for dropout-free
+        sampling. The arguments are checked where they come in: :func:`lit_ddp.generate.check_sampling`.
         """
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k={top_k} must be >= 1 (or None for no limit)")
-        if idx.ndim != 2 or idx.size(1) == 0:
-            raise ValueError(f"prompt ids must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
         for _ in range(max_new_tokens):
             idx_cond = idx[:, -self.config.block_size :]  # (B, <=block_size)
             logits, _ = self(idx_cond)

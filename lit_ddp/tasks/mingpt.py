@@ -43,11 +43,7 @@ class GPTModule(LightningModule):
         cosine_decay: after warmup, a cosine down to ``min_lr_ratio`` x the peaks; False: constant (the tutorial).
         decay_steps: optimizer step where the cosine reaches its floor; None: the end of training.
         min_lr_ratio: the cosine's floor, relative to the peaks.
-        rope: rotary position embeddings (see :class:`~lit_ddp.models.gpt.GPTConfig` for this and the next four).
-        qk_norm: RMSNorm of each head's q and k.
-        activation: MLP nonlinearity, ``"gelu"`` or ``"relu2"``.
-        tie_weights: the head shares the token embedding's weight.
-        zero_init_proj: residual output projections (and an untied head) start at zero.
+        rope: rotary position embeddings instead of learned ones (:class:`~lit_ddp.models.gpt.GPTConfig`).
         optimizer: ``"adamw"`` (minGPT's) or ``"muon"`` (Muon for the blocks' matrices, AdamW for the rest):
             :func:`lit_ddp.recipe.build_optimizer`.
         muon_learning_rate: Muon's peak learning rate.
@@ -78,10 +74,6 @@ class GPTModule(LightningModule):
         decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         rope: bool = False,
-        qk_norm: bool = False,
-        activation: str = "gelu",
-        tie_weights: bool = True,
-        zero_init_proj: bool = False,
         optimizer: str = "adamw",
         muon_learning_rate: float = 0.02,
         muon_momentum: float = 0.95,
@@ -103,7 +95,6 @@ class GPTModule(LightningModule):
         self.model: GPT | None = None
         self._forward: Any = None  # the compiled forward (a function: not a registered submodule)
         self.flops_per_batch: int | None = None
-        self._flops: tuple[int, int] = (0, 0)  # (context length, FLOPs per token) of the last batch
         self.val_loss = MeanMetric()
         if vocab is not None:
             self.configure_model()
@@ -120,10 +111,8 @@ class GPTModule(LightningModule):
     def _make_config(self, vocab_size: int) -> GPTConfig:
         hp = self.hp
         sizes = {k: hp[k] for k in ("n_layer", "n_head", "n_embd") if hp[k] is not None}
-        options = ("dropout", "bias", "rope", "qk_norm", "activation", "tie_weights", "zero_init_proj")
-        return GPTConfig.from_preset(
-            hp.model_type, **sizes, block_size=hp.block_size, vocab_size=vocab_size, **{k: hp[k] for k in options}
-        )
+        options = {k: hp[k] for k in ("block_size", "dropout", "bias", "rope")}
+        return GPTConfig.from_preset(hp.model_type, **sizes, **options, vocab_size=vocab_size)
 
     def setup(self, stage: str) -> None:
         if self.vocab is None:
@@ -157,8 +146,8 @@ class GPTModule(LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T) each: this rank's shard of the global batch
-        self.flops_per_batch = self._flops_per_token(x.size(1)) * x.numel()  # forward + backward
         _, loss = self(x, y)
+        self.flops_per_batch = self._forward_flops(x) * 3  # forward + backward
         # The mean over ranks is an all-reduce: only on the steps the logger writes. This is Lightning's own test
         # (should_update_logs) in public terms: before the optimizer step, global_step counts the batches that
         # stepped.
@@ -169,8 +158,8 @@ class GPTModule(LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.flops_per_batch = self._flops_per_token(x.size(1)) * x.numel() // 3  # forward only
         _, loss = self(x, y)
+        self.flops_per_batch = self._forward_flops(x)  # forward only
         self.val_loss.update(loss, weight=x.numel())
 
     def on_validation_epoch_end(self) -> None:
@@ -183,11 +172,10 @@ class GPTModule(LightningModule):
     test_step = validation_step  # `lit-ddp test`: the held-out split (CharDataModule.test_dataloader)
     on_test_epoch_end = on_validation_epoch_end
 
-    def _flops_per_token(self, seq_len: int) -> int:
-        if self._flops[0] != seq_len:  # counted once per length: it walks every parameter
-            assert self.model is not None
-            self._flops = (seq_len, self.model.flops_per_token(seq_len))
-        return self._flops[1]
+    def _forward_flops(self, x: torch.Tensor) -> int:
+        """Forward FLOPs of the batch ``x (B, T)``: a third of :meth:`GPT.flops_per_token`'s training FLOPs."""
+        assert self.model is not None
+        return self.model.flops_per_token(x.size(1)) * x.numel() // 3
 
     def configure_optimizers(self) -> Any:
         hp = self.hp

@@ -22,10 +22,15 @@ from lit_ddp.recipe import (
 from lit_ddp.tasks.mingpt import GPTModule
 
 
-def tiny(**overrides) -> GPT:
+def tiny(tie_weights: bool = True, **overrides) -> GPT:
+    """A small GPT; ``tie_weights=False`` gives its head a weight of its own, as a model with an untied head has
+    (the recipe takes any such model, not only lit_ddp's tied GPT)."""
     torch.manual_seed(0)
     cfg = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 11, "dropout": 0.0}
-    return GPT(GPTConfig(**{**cfg, **overrides})).eval()
+    model = GPT(GPTConfig(**{**cfg, **overrides})).eval()
+    if not tie_weights:
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    return model
 
 
 def module(**kwargs) -> GPTModule:
@@ -75,7 +80,7 @@ def test_adamw_param_groups() -> None:
 
 def test_adamw_param_groups_untied_head() -> None:
     """With its own weight the head is a Linear (decays); the embedding is not (does not decay)."""
-    model = tiny(tie_weights=False, zero_init_proj=True)
+    model = tiny(tie_weights=False)
     decay, no_decay = adamw_param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     assert "lm_head.weight" in {names[id(p)] for p in decay["params"]}
@@ -84,7 +89,7 @@ def test_adamw_param_groups_untied_head() -> None:
 
 @pytest.mark.parametrize("tie_weights", [True, False])
 def test_muon_param_groups(tie_weights: bool) -> None:
-    model = tiny(qk_norm=True, tie_weights=tie_weights).train()
+    model = tiny(tie_weights=tie_weights).train()
     hidden, others = muon_param_groups(model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert len(hidden) + len(others) == len(names) == len({id(p) for p in hidden + others})
