@@ -21,6 +21,17 @@ DEFAULT_PROMPT = "O God, O God!"
 """What :func:`sample` continues when given no prompt (also TextSampleCallback's default)."""
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, prefix: str = "") -> None:
+    """Raises ValueError naming the first bad sampling argument (``prefix`` goes before its name, e.g. ``--``):
+    ``max_new_tokens < 0``, ``temperature < 0`` or ``top_k < 1``."""
+    if max_new_tokens < 0:
+        raise ValueError(f"{prefix}max_new_tokens={max_new_tokens} must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"{prefix}temperature={temperature} must be >= 0")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"{prefix}top_k={top_k} must be >= 1 (or null for no limit)")
+
+
 @torch.no_grad()
 def sample(
     module: GPTModule,
@@ -45,6 +56,7 @@ def sample(
     Raises:
         ValueError: a character of ``prompt`` outside the vocabulary, an empty prompt, or a bad argument.
     """
+    check_sampling(max_new_tokens, temperature, top_k)
     vocab, model = module.vocab, module.model
     assert vocab is not None and model is not None, "the module's model is not built"
     if prompt is None:
@@ -113,12 +125,7 @@ def generate(
         FileNotFoundError: ``ckpt_path`` does not exist.
         ValueError: a bad argument (named in the message) or a file that is not a minGPT checkpoint.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 0")
-    if temperature < 0:
-        raise ValueError(f"--temperature={temperature} must be >= 0")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"--top_k={top_k} must be >= 1 (or null for no limit)")
+    check_sampling(max_new_tokens, temperature, top_k, prefix="--")
     if not prompt:
         raise ValueError("--prompt must not be empty")
     module = load_gpt(ckpt_path)

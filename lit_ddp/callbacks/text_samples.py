@@ -6,7 +6,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from lit_ddp.generate import sample
+from lit_ddp.generate import check_sampling, sample
 from lit_ddp.tasks.mingpt import GPTModule
 
 
@@ -25,7 +25,7 @@ class TextSampleCallback(Callback):
         seed: seed of the sampling generator.
 
     Raises:
-        ValueError: a negative ``max_new_tokens``.
+        ValueError: a bad sampling argument (:func:`lit_ddp.generate.check_sampling`), at construction.
     """
 
     def __init__(
@@ -36,8 +36,7 @@ class TextSampleCallback(Callback):
         top_k: int | None = None,
         seed: int = 0,
     ) -> None:
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        check_sampling(max_new_tokens, temperature, top_k)
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature

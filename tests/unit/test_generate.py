@@ -9,6 +9,7 @@ import lightning
 import pytest
 import torch
 
+from lit_ddp.callbacks.text_samples import TextSampleCallback
 from lit_ddp.cli import cli_main
 from lit_ddp.data.char import build_vocab
 from lit_ddp.generate import DEFAULT_PROMPT, generate, sample
@@ -81,3 +82,20 @@ def test_generate_rejects_other_files(tmp_path: Path, capsys: pytest.CaptureFixt
             cli_main(["generate", "--ckpt_path", str(path)])
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens=-1"),
+        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"top_k": 0}, "top_k=0"),
+    ],
+)
+def test_bad_sampling_arguments_refused_by_sample_and_at_callback_construction(kwargs: dict, message: str) -> None:
+    """The model's ``generate`` does not check its arguments: ``sample`` and the callback do, the callback when the
+    config is instantiated (before any process starts), not at the first validation end."""
+    with pytest.raises(ValueError, match=message):
+        sample(tiny_module(), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        TextSampleCallback(**kwargs)
