@@ -84,7 +84,7 @@ class RecordRun(Callback):
 
 
 class RecordMetrics(Callback):
-    """Writes ``<out_dir>/rank<R>.json`` after every validation (not the sanity check): the global step and
+    """Writes ``<out_dir>/rank<R>.json`` after every validation (not the sanity check) and test: the global step and
     the trainer's ``callback_metrics`` as floats, as this rank sees them.
 
     Args:
@@ -104,6 +104,8 @@ class RecordMetrics(Callback):
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         }
         _write(self.out_dir, f"rank{trainer.global_rank}.json", json.dumps(record))
+
+    on_test_end = on_validation_end
 
 
 class RecordStart(Callback):

@@ -15,7 +15,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_ddp.data.samplers import GlobalOrderSampler
+from lit_ddp.data.samplers import GlobalOrderSampler, evaluation_sampler
 from lit_ddp.data.sources import DEFAULT_CACHE_DIR, TextSource
 
 
@@ -150,15 +150,16 @@ class CharDataModule(LightningDataModule):
     def train_dataloader(self) -> StatefulDataLoader:
         assert self.train_set is not None, "train_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
-        # The sampler gives this rank its shard and resumes exactly (Lightning's own wrapper loses its state).
-        # Keyword arguments: under DDP Lightning rebuilds the loader from them.
+        # This rank's shard, resumed exactly. Keyword arguments: under DDP Lightning rebuilds the loader from them.
         sampler = GlobalOrderSampler(self.train_set)  # rank and world size from the process group
         return StatefulDataLoader(
             self.train_set, batch_size=hp.batch_size, sampler=sampler, drop_last=True, num_workers=hp.num_workers
         )
 
     def val_dataloader(self) -> StatefulDataLoader:
+        assert self.val_set is not None, "val_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
-        return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)
+        sampler = evaluation_sampler(self.val_set)  # each window once, on any number of processes
+        return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, sampler=sampler, num_workers=hp.num_workers)
 
     test_dataloader = val_dataloader  # the text has no third split: `lit-ddp test` scores the held-out one

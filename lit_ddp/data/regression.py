@@ -14,7 +14,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_ddp.data.samplers import GlobalOrderSampler
+from lit_ddp.data.samplers import GlobalOrderSampler, evaluation_sampler
 
 
 class RegressionDataModule(LightningDataModule):
@@ -97,7 +97,9 @@ class RegressionDataModule(LightningDataModule):
         )
 
     def val_dataloader(self) -> StatefulDataLoader:
+        assert self.val_set is not None, "val_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
-        return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)
+        sampler = evaluation_sampler(self.val_set)  # each sample once, on any number of processes
+        return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, sampler=sampler, num_workers=hp.num_workers)
 
     test_dataloader = val_dataloader  # no third split: `lit-ddp test` scores the held-out one

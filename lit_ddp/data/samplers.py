@@ -1,5 +1,5 @@
-"""The train sampler: DDP's ``DistributedSampler`` role (each rank its own shard of every epoch), in an order that
-does not depend on the world size and at a position a checkpoint restores exactly on any number of processes.
+"""The samplers: DDP's ``DistributedSampler`` role (each rank its own shard), independent of the world size. Training:
+at a position a checkpoint restores exactly on any number of processes. Evaluation: each item once, none repeated.
 
 The idea is Megatron-LM's ``MegatronPretrainingSampler``: the saved state is the number of samples the whole job
 has consumed, not each rank's own count. It extends torchdata's ``StatefulDistributedSampler`` (saved and
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -42,9 +43,9 @@ class GlobalOrderSampler(StatefulDistributedSampler):
         shuffle: bool = True,
         seed: int | None = None,
     ) -> None:
-        in_group = dist.is_available() and dist.is_initialized()
-        num_replicas = num_replicas if num_replicas is not None else dist.get_world_size() if in_group else 1
-        rank = rank if rank is not None else dist.get_rank() if in_group else 0
+        here = this_process()
+        num_replicas = here["num_replicas"] if num_replicas is None else num_replicas
+        rank = here["rank"] if rank is None else rank
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.start = 0  # global samples of this epoch consumed before the current iterator began
@@ -98,3 +99,16 @@ class GlobalOrderSampler(StatefulDistributedSampler):
         if int(state_dict["consumed"]) < 0:
             raise ValueError(f"consumed={state_dict['consumed']} must be >= 0")
         self._resume = dict(state_dict)
+
+
+def this_process() -> dict[str, int]:
+    """``{"num_replicas": world_size, "rank": rank}`` from the process group; world size 1, rank 0 without one."""
+    if dist.is_available() and dist.is_initialized():
+        return {"num_replicas": dist.get_world_size(), "rank": dist.get_rank()}
+    return {"num_replicas": 1, "rank": 0}
+
+
+def evaluation_sampler(dataset: Dataset) -> UnrepeatedDistributedSampler:
+    """Lightning's unpadded sampler: rank ``r`` of ``W`` takes items ``r, r + W, ...``, each once, so a metric summed over
+    the ranks is the same on any ``W`` (a ``DistributedSampler`` repeats items); safe with no collective per batch."""
+    return UnrepeatedDistributedSampler(dataset, shuffle=False, **this_process())

@@ -17,7 +17,6 @@ import fsspec
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-TINY_SHAKESPEARE_BYTES = 1_115_394
 EMBEDDED_TEXT = "tinyshakespeare.txt.gz"  # package data of lit_ddp.data (434 KB)
 DATA_ENV = "LIT_DDP_DATA"  # a path or URL that replaces the embedded text; `make train DATA=...` sets it
 DEFAULT_CACHE_DIR = "~/.cache/lit_ddp"

@@ -140,11 +140,19 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
         )
 
 
-def check_trainer(trainer: Any, cpu_count: int | None = None, cuda_available: bool | None = None) -> None:
+def check_trainer(
+    trainer: Any,
+    cpu_count: int | None = None,
+    cuda_available: bool | None = None,
+    env: Mapping[str, str] | None = None,
+) -> None:
     """Checks ``trainer.devices`` and ``trainer.precision`` against this machine before any process starts.
+    Under torchrun (``TORCHELASTIC_RUN_ID`` in ``env``) the processes exist already, as many as its
+    ``--nproc_per_node`` asked for: more of them than cores is the user's choice, not a typo.
 
     Raises:
-        UsageError: more CPU processes than cores, or ``16-mixed`` / ``16`` precision on CPU.
+        UsageError: more CPU processes than cores (Lightning to start them), or ``16-mixed`` / ``16``
+            precision on CPU.
     """
     if trainer is None:
         return
@@ -157,7 +165,8 @@ def check_trainer(trainer: Any, cpu_count: int | None = None, cuda_available: bo
     devices = config_value(trainer, "devices", "auto")
     if isinstance(devices, str) and devices.strip().isdigit():
         devices = int(devices)
-    if isinstance(devices, int) and devices > cpu_count:
+    launched = "TORCHELASTIC_RUN_ID" in (os.environ if env is None else env)
+    if isinstance(devices, int) and devices > cpu_count and not launched:
         raise UsageError(
             f"trainer.devices={devices} but this machine has {cpu_count} CPU core(s): on CPU each device is one "
             f"process, so use trainer.devices <= {cpu_count} (or trainer.accelerator=gpu on a GPU machine)"
@@ -232,7 +241,7 @@ def run_preflight(trainer: Any, env: Mapping[str, str] | None = None) -> None:
         UsageError: the first problem found.
     """
     check_launch(trainer, env)
-    check_trainer(trainer)
+    check_trainer(trainer, env=env)
     check_master_port(None if env is None else dict(env))
 
 

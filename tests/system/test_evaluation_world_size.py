@@ -1,0 +1,85 @@
+"""Evaluation does not depend on the number of processes: ``validate``, ``test`` and the ``val/loss`` that ``fit``
+logs are the same on 1, 2 and 3 processes, for both tasks, on a validation split that 2 and 3 do not divide
+(each rank takes its own items once: :func:`lit_ddp.data.samplers.evaluation_sampler`; Lightning's padded
+``DistributedSampler`` would count some twice, and more of them the more processes there are)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lit_ddp.data.char import CharDataModule
+from lit_ddp.data.regression import RegressionDataModule
+from tests import helpers
+from tests.helpers import TINY_GPT_ARGS, compose, lit_ddp, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+GLOBAL_BATCH = 6  # 6, 3 and 2 per process: the same training step on 1, 2 and 3 processes
+TASKS = {
+    "regression": [
+        *compose("trainer/ddp", "regression/ddp"),
+        "--data.init_args.num_samples", "1000", "--data.init_args.val_fraction", "0.125",  # 125 items
+        *helpers.QUIET,
+    ],
+    "mingpt": [*compose("trainer/ddp", "mingpt/cpu"), *TINY_GPT_ARGS],  # 139 validation windows
+}  # fmt: skip
+VAL_ITEMS = {
+    "regression": lambda: RegressionDataModule(num_samples=1000, val_fraction=0.125),
+    "mingpt": lambda: CharDataModule(block_size=16, truncate=0.02),
+}
+
+
+def launch(procs: int, *args: str) -> list[str]:
+    """One process without a launcher; more under torchrun (as a user with more processes than cores does)."""
+    if procs == 1:
+        return lit_ddp(*args, "--trainer.devices", "1")
+    return torchrun("--standalone", "--nproc_per_node", str(procs), "-m", "lit_ddp", *args)
+
+
+def recorded(directory: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted(directory.glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_validate_test_and_fit_val_loss_equal_on_1_2_3_processes(
+    task: str, tmp_path: Path, runner: helpers.Runner
+) -> None:
+    dm = VAL_ITEMS[task]()
+    dm.setup("fit")
+    assert len(dm.val_set) % 2 and len(dm.val_set) % 3, f"{len(dm.val_set)} validation items: 2 or 3 divides them"
+
+    def run(procs: int, command: str, name: str, *extra: str) -> dict[str, float]:
+        out_dir = tmp_path / name
+        callbacks = [
+            "--trainer.callbacks+=tests.callbacks.RecordMetrics",
+            f"--trainer.callbacks.init_args.out_dir={out_dir}",
+        ]
+        args = [command, *TASKS[task], "--data.init_args.batch_size", str(GLOBAL_BATCH // procs), *callbacks, *extra]
+        out = runner.run(launch(procs, *args), timeout=240)
+        assert out.returncode == 0, out.stdout[-3000:]
+        records = recorded(out_dir)
+        assert [r["world_size"] for r in records] == [procs] * procs
+        assert all(r["metrics"] == records[0]["metrics"] for r in records), "ranks disagree"
+        return records[0]["metrics"]
+
+    fit_root = tmp_path / "fit1"
+    fits, validates, tests = {}, {}, {}
+    for procs in (1, 2, 3):
+        root = tmp_path / f"fit{procs}"
+        fits[procs] = run(procs, "fit", f"fit{procs}_metrics", "--trainer.max_steps", "1",
+                          "--trainer.val_check_interval", "1", "--trainer.default_root_dir", str(root))  # fmt: skip
+    ckpt = fit_root / "checkpoints" / "last.ckpt"
+    for procs in (1, 2, 3):
+        root = str(tmp_path / f"eval{procs}")
+        validates[procs] = run(procs, "validate", f"validate{procs}", "--ckpt_path", str(ckpt), "--trainer.default_root_dir", root)  # fmt: skip
+        tests[procs] = run(procs, "test", f"test{procs}", "--ckpt_path", str(ckpt), "--trainer.default_root_dir", root)  # fmt: skip
+    print({"fit": fits, "validate": validates, "test": tests})
+    for procs in (2, 3):
+        assert fits[procs]["val/loss"] == pytest.approx(fits[1]["val/loss"], rel=1e-6), procs
+        assert validates[procs]["val/loss"] == pytest.approx(validates[1]["val/loss"], rel=1e-6), procs
+        assert tests[procs]["test/loss"] == pytest.approx(tests[1]["test/loss"], rel=1e-6), procs
+    assert validates[1]["val/loss"] == pytest.approx(tests[1]["test/loss"], rel=1e-6)  # the same split
+    assert validates[1]["val/loss"] == pytest.approx(fits[1]["val/loss"], rel=1e-6)  # the checkpoint fit scored
