@@ -104,9 +104,6 @@ class OptimizerChain(torch.optim.Optimizer):
         # Loading gives each optimizer new group dicts: hold those, in the same list (schedulers keep it).
         self.param_groups[:] = [group for opt in self.optimizers for group in opt.param_groups]
 
-    def __repr__(self) -> str:
-        return f"OptimizerChain({', '.join(type(o).__name__ for o in self.optimizers)})"
-
 
 def build_optimizer(
     model: nn.Module,
@@ -132,7 +129,6 @@ def build_optimizer(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} must be one of {', '.join(map(repr, OPTIMIZERS))}")
     groups = adamw_param_groups(model, weight_decay)
-    betas = (float(betas[0]), float(betas[1]))
     if optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
     hidden, others = muon_param_groups(model)

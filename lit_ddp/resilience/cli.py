@@ -30,7 +30,13 @@ from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
 from lit_ddp.resilience.preemption import PreemptionCheckpoint
-from lit_ddp.resilience.resume import RESUME_AUTO, check_resumable, resume_from_agreed_checkpoint
+from lit_ddp.resilience.resume import (
+    RESUME_AUTO,
+    check_resumable,
+    restart_count,
+    resume_from_agreed_checkpoint,
+    set_aside_later_checkpoints,
+)
 from lit_ddp.resilience.run_lock import hold_run_directory
 
 DEFAULT_ROOT_DIR = "runs/default"
@@ -121,14 +127,24 @@ class ResilientCLI(LightningCLI):
     def _start_run(self, resume: bool) -> None:
         """Failures reported per rank from here on; the process group on torchrun's shared store; without
         ``--ckpt_path``, the run directory's newest valid checkpoint (``fit`` resumes it, ``validate`` / ``test``
-        evaluate it; a warning says when there is none), chosen once every rank has joined."""
+        evaluate it; a warning says when there is none), chosen once every rank has joined.
+
+        ``fit --ckpt_path X`` is honoured once per job: its first attempt resumes from X and sets the run
+        directory's checkpoints of X's step or later aside (:func:`set_aside_later_checkpoints`); a torchrun
+        restart or Slurm requeue of the same job resumes from what it saved since (X while it saved nothing)."""
         mark_running()
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy):  # torchrun's shared store: a prefix per restart (.elastic)
             init_process_group_on_shared_store(*compat.process_group_settings(strategy))
         config = self.config_init[self.subcommand]
-        if config.get("ckpt_path") is None:
-            root = self.trainer.default_root_dir
+        root, given = self.trainer.default_root_dir, config.get("ckpt_path")
+        if given is not None and resume and restart_count() == 0:
+            if self.trainer.is_global_zero:  # a rollback: the newer files are abandoned
+                set_aside_later_checkpoints(root, checkpoint_dir(root), str(given))
+            self.trainer.strategy.barrier("lit_ddp_set_aside")
+        elif given is None or resume:  # the run directory; a restarted job's --ckpt_path only until it saved
             check_resumable(root, checkpoint_dir(root))  # before the logger writes anything
-            resume_from_agreed_checkpoint(self.trainer, checkpoint_dir(root), required=not resume)
+            resume_from_agreed_checkpoint(
+                self.trainer, checkpoint_dir(root), required=not resume, given=None if given is None else str(given)
+            )
             config["ckpt_path"] = RESUME_AUTO

@@ -48,6 +48,9 @@ class ExactResume(Callback):
       (written at ``on_train_start``) makes TensorBoard drop the points that the killed run logged after
       its checkpoint, so each step appears once and none is missing.
 
+    A checkpoint written with another global batch (``batch_size`` x processes): the epoch still ends after all
+    of its samples (:func:`count_the_epoch_in_samples`), with a warning.
+
     A checkpoint from a different world size: the train loader continues from the saved global sample
     position (:class:`lit_ddp.data.samplers.GlobalOrderSampler`, whose state is the same on every rank), so
     the data is exact; the RNG states are those of rank ``r mod n`` (a warning says so), so random draws
@@ -120,6 +123,7 @@ class ExactResume(Callback):
                 # Lightning annotates `current` as a _ReadyCompletedTracker; the fit loop's is a _ProcessedTracker.
                 fit_loop.epoch_progress.current.processed,  # type: ignore[attr-defined]
             )
+            count_the_epoch_in_samples(trainer, self._loader_states)
         self._loader_states = None
         if self._purge_pending:
             self._purge_step = compat.first_logged_step(trainer)
@@ -138,6 +142,38 @@ class ExactResume(Callback):
                     "some steps may show twice or be missing."
                 )
             self._purge_step = None
+
+
+def count_the_epoch_in_samples(trainer: Trainer, loader_states: list[dict[str, Any]]) -> None:
+    """Sets the batches Lightning counts as done in a resumed epoch to the samples the sampler consumed, in batches
+    of today's global batch, and warns when that changes them.
+
+    Lightning ends an epoch after ``len(train_dataloader)`` batches counted from the restored batch count, while
+    the sampler (:class:`~lit_ddp.data.samplers.GlobalOrderSampler`) resumes at its sample position. With another
+    global batch they disagree: stopped after 20 batches of 32 and resumed with 64, Lightning would run 8 of the
+    18 batches the remaining 1,152 of 1,792 samples make. With ``consumed // global_batch`` batches done, the
+    count never runs out before the data does, so the epoch ends on its last batch (Lightning's ``is_last_batch``).
+    Only a single train loader whose saved state holds a ``consumed`` position is counted so.
+    """
+    loaders = compat.train_loaders(trainer)
+    if len(loaders) != 1 or len(loader_states) != 1 or not loaders[0].batch_size:
+        return
+    sampler_state = (loader_states[0].get("_sampler_iter_state") or {}).get("sampler_state") or {}
+    if "consumed" not in sampler_state:
+        return
+    consumed, global_batch = int(sampler_state["consumed"]), loaders[0].batch_size * trainer.world_size
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    if consumed // global_batch == progress.ready:
+        return
+    saved = f"{consumed // progress.ready}" if progress.ready and consumed % progress.ready == 0 else "another"
+    rank_zero_warn(
+        f"Resuming with a global batch of {global_batch} samples ({loaders[0].batch_size} x {trainer.world_size} "
+        f"processes); the checkpoint's was {saved}: the epoch continues from its sample {consumed} and ends after all "
+        "of its samples, none lost or repeated, but the steps (and a schedule counted in steps) differ from the "
+        "uninterrupted run's."
+    )
+    for counter in ("ready", "started", "processed", "completed"):  # Lightning's _ProcessedTracker
+        setattr(progress, counter, consumed // global_batch)
 
 
 def collect_rng_states(device: torch.device) -> dict[str, Any]:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import pickle
 import socket
+import time
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import fsspec
@@ -235,14 +238,19 @@ def agree_on_resume_checkpoint(trainer: Any, root_dir: str, checkpoint_dir: str)
     return path
 
 
-def resume_from_agreed_checkpoint(trainer: Trainer, checkpoint_dir: str, required: bool = False) -> None:
+def resume_from_agreed_checkpoint(
+    trainer: Trainer, checkpoint_dir: str, required: bool = False, given: str | None = None
+) -> None:
     """Makes ``trainer.fit/validate/test(ckpt_path=RESUME_AUTO)`` start from the checkpoint the ranks agree on
     once the process group exists (:func:`agree_on_resume_checkpoint`); Lightning's own choice
     (``ckpt_path="last"`` / ``"hpc"``) is per rank and by file name or time. ``required``: warn when the run
-    directory has none (an evaluation would score the untrained weights)."""
+    directory has none (an evaluation would score the untrained weights). ``given``: the job's explicit
+    ``--ckpt_path``, on a restart of that job: the run directory's checkpoint wins only from its step on."""
 
     def resolve() -> str | None:
         path = agree_on_resume_checkpoint(trainer, trainer.default_root_dir, checkpoint_dir)
+        if given is not None and (path is None or checkpoint_step(path) < checkpoint_step(given)):
+            path = given  # this job has saved nothing since it started from --ckpt_path
         if path is not None:
             rank_zero_info(f"{'Evaluating' if required else 'Resuming from'} {path}")
             if not required and trainer.is_global_zero:
@@ -255,6 +263,35 @@ def resume_from_agreed_checkpoint(trainer: Trainer, checkpoint_dir: str, require
         return path
 
     compat.install_resume_resolver(trainer, RESUME_AUTO, resolve)
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times the launcher has restarted this job: torchrun's ``TORCHELASTIC_RESTART_COUNT`` plus
+    Slurm's ``SLURM_RESTART_COUNT`` (requeues); 0 for its first attempt."""
+    env = os.environ if env is None else env
+    return sum(int(env.get(key) or 0) for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def set_aside_later_checkpoints(root_dir: str, checkpoint_dir: str, given: str) -> list[str]:
+    """Moves every checkpoint of the run directory at ``given``'s step or later, other than ``given`` itself,
+    into ``<root_dir>/set_aside/<UTC time>/``: resuming from an older checkpoint abandons them, and a later
+    automatic resume (a restart, a requeue) must not jump forward onto them. Nothing is deleted. Returns the
+    moved paths. Rank zero only, before anything of the run is written."""
+    step = checkpoint_step(given)
+    later = [p for s, p in ranked_checkpoints(root_dir, checkpoint_dir) if s >= step and p != given]
+    if not later:
+        return []
+    fs, _ = url_to_fs(str(root_dir))
+    target = _join(fs, str(root_dir), "set_aside", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    fs.makedirs(url_to_fs(target)[1], exist_ok=True)
+    for path in later:
+        fs.mv(url_to_fs(path)[1], url_to_fs(_join(fs, target, path.rsplit("/", 1)[-1]))[1])
+    rank_zero_warn(
+        f"Resuming from {given} (step {step}): its run directory's {len(later)} checkpoint(s) of step {step} or "
+        f"later belong to the abandoned continuation and are moved to {target}, so that no automatic resume "
+        f"returns to them: {', '.join(later)}"
+    )
+    return later
 
 
 def warn_changed_hyperparameters(path: str, configured: dict[str, Any]) -> list[str]:

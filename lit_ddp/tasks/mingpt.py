@@ -100,8 +100,7 @@ class GPTModule(LightningModule):
             self.configure_model()
 
     @property
-    def hp(self) -> Any:
-        """The hyperparameters, as attributes."""
+    def hp(self) -> Any:  # the hyperparameters, as attributes
         return cast(Any, self.hparams)
 
     @property
@@ -147,10 +146,9 @@ class GPTModule(LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T) each: this rank's shard of the global batch
         _, loss = self(x, y)
-        self.flops_per_batch = self._forward_flops(x) * 3  # forward + backward
-        # The mean over ranks is an all-reduce: only on the steps the logger writes. This is Lightning's own test
-        # (should_update_logs) in public terms: before the optimizer step, global_step counts the batches that
-        # stepped.
+        self.flops_per_batch = self.model.flops_per_token(x.size(1)) * x.numel()  # type: ignore[union-attr]
+        # The mean over ranks is an all-reduce: only on the steps the logger writes (Lightning's should_update_logs
+        # in public terms: before the optimizer step, global_step counts the batches that stepped).
         every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning at runtime
         if every > 0 and ((self.global_step + 1) % every == 0 or self.trainer.should_stop):
             self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
@@ -159,7 +157,7 @@ class GPTModule(LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         _, loss = self(x, y)
-        self.flops_per_batch = self._forward_flops(x)  # forward only
+        self.flops_per_batch = self.model.flops_per_token(x.size(1)) * x.numel() // 3  # type: ignore[union-attr]
         self.val_loss.update(loss, weight=x.numel())
 
     def on_validation_epoch_end(self) -> None:
@@ -171,11 +169,6 @@ class GPTModule(LightningModule):
 
     test_step = validation_step  # `lit-ddp test`: the held-out split (CharDataModule.test_dataloader)
     on_test_epoch_end = on_validation_epoch_end
-
-    def _forward_flops(self, x: torch.Tensor) -> int:
-        """Forward FLOPs of the batch ``x (B, T)``: a third of :meth:`GPT.flops_per_token`'s training FLOPs."""
-        assert self.model is not None
-        return self.model.flops_per_token(x.size(1)) * x.numel() // 3
 
     def configure_optimizers(self) -> Any:
         hp = self.hp

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -155,3 +156,35 @@ def test_mingpt_two_processes_then_one_sees_every_window_once(
     fed = [r["epochs"][0] for r in (*load_records(rec1), *load_records(rec2))]
     seen = Counter(index["".join(vocab[t] for t in row.tolist())] for x in fed for row in x)
     assert sum(seen.values()) == 1248 and set(seen.values()) == {1}, "every training window exactly once"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("first", "second", "stop"), [(32, 64, 20), (64, 32, 10)])
+def test_resume_with_another_global_batch_sees_every_sample_once(
+    first: int, second: int, stop: int, tmp_path: Path, runner: helpers.Runner
+) -> None:
+    """One process, 1,792 training samples: stopped mid-epoch with one batch size, resumed with the other (a
+    requeue onto more nodes at the same per-device batch is this case). Together the two runs train on each
+    sample of the epoch exactly once, the epoch ends in a validation, and the resume says what changed."""
+    from tests.callbacks import RecordMetrics
+
+    root = tmp_path / "run"
+    args = [*REGRESSION, "--trainer.devices", "1", "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(root)]
+    cb1, rec1 = recorder_config(tmp_path, "first")
+    out = runner.fit(*args, "--data.init_args.batch_size", str(first), "--trainer.max_steps", str(stop),
+                     "--checkpoint.every_n_train_steps", str(stop), "--config", str(cb1), timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:]
+    metrics = tmp_path / "metrics"
+    cb2, rec2 = recorder_config(tmp_path, "second", helpers.callback(RecordMetrics, out_dir=str(metrics)))
+    out = runner.fit(*args, "--data.init_args.batch_size", str(second), "--config", str(cb2), timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert f"Resuming with a global batch of {second} samples ({second} x 1 processes); the checkpoint's was {first}" in out.stdout  # fmt: skip
+
+    fed = torch.cat([load_records(rec)[0]["epochs"][0] for rec in (rec1, rec2)])  # (samples, 20)
+    assert fed.shape[0] == 1792, f"{fed.shape[0]} samples trained on; the epoch has 1792"
+    assert torch.unique(fed, dim=0).shape[0] == 1792, "a sample was repeated"
+    [record] = load_records(rec2)
+    assert record["start_step"] == stop and record["global_step"] == stop + (1792 - stop * first) // second
+    assert json.loads((metrics / "rank0.json").read_text())["global_step"] == record["global_step"]

@@ -14,7 +14,6 @@ from lit_ddp.data.char import CharDataModule, decode
 from lit_ddp.data.sources import (
     DATA_ENV,
     EMBEDDED,
-    TINY_SHAKESPEARE_BYTES,
     TINY_SHAKESPEARE_SHA256,
     read_embedded_text,
 )
@@ -23,7 +22,7 @@ from tests.helpers import PACKAGE, REPO, SHORT_TEXT, compose, usage_error
 
 def test_embedded_text_is_tiny_shakespeare() -> None:
     data = read_embedded_text().encode("utf-8")
-    assert len(data) == TINY_SHAKESPEARE_BYTES
+    assert len(data) == 1_115_394  # char-rnn's input.txt
     assert hashlib.sha256(data).hexdigest() == TINY_SHAKESPEARE_SHA256
 
 

@@ -98,3 +98,43 @@ def test_a_resume_warns_about_each_changed_hyperparameter(tmp_path: Path) -> Non
         warnings.simplefilter("always")
         cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "3", "--model.init_args.learning_rate", "0.002"])
     assert not [w for w in caught if "written with model.init_args" in str(w.message)]
+
+
+def test_an_explicit_ckpt_path_is_honoured_once_per_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``fit --ckpt_path X`` rolls back once: the checkpoints of X's step or later are set aside (never deleted), so
+    a restart does not jump forward onto the abandoned continuation; a restart of the same job (torchrun's or a
+    Slurm requeue's restart count) resumes from what the job saved since X, or from X while it saved nothing
+    (issue 21, item 5)."""
+    from lit_ddp.cli import cli_main
+    from lit_ddp.resilience.resume import checkpoint_step, restart_count
+    from tests.helpers import QUIET, REPO
+
+    run = tmp_path / "run"
+    config = ["--config", str(REPO / "configs/regression/single_device.yaml"), "--trainer.default_root_dir", str(run), "--checkpoint.every_n_epochs", "1", *QUIET]  # fmt: skip
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    cli_main(["fit", *config, "--trainer.max_epochs", "3"])
+    ckpts = run / "checkpoints"
+    [first, second, third] = sorted(ckpts.glob("epoch=*.ckpt"))
+    old_last_step = checkpoint_step(str(ckpts / "last.ckpt"))
+
+    with pytest.warns(UserWarning, match=r"abandoned continuation and are moved to .*set_aside"):
+        cli_main(["fit", *config, "--trainer.max_epochs", "2", "--ckpt_path", str(first)])
+    [aside] = (run / "set_aside").iterdir()
+    assert {p.name for p in aside.iterdir()} == {second.name, third.name, "last.ckpt"}
+    assert checkpoint_step(str(aside / "last.ckpt")) == old_last_step
+    assert checkpoint_step(str(ckpts / "last.ckpt")) == checkpoint_step(str(second))  # the new continuation
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the same command, restarted by the launcher
+    assert restart_count() == 1
+    cli_main(["fit", *config, "--trainer.max_epochs", "3", "--ckpt_path", str(first)])
+    assert f"Resuming from {ckpts / 'last.ckpt'}" in caplog.text
+    assert len(list((run / "set_aside").iterdir())) == 1, "a restart sets nothing aside"
+
+    fresh = tmp_path / "fresh"  # a restart before the job saved anything: X again
+    cli_main(["fit", *config, "--trainer.default_root_dir", str(fresh), "--trainer.max_epochs", "2", "--ckpt_path", str(first)])  # fmt: skip
+    assert f"Resuming from {first}" in caplog.text
