@@ -172,8 +172,11 @@ def count_the_epoch_in_samples(trainer: Trainer, loader_states: list[dict[str, A
         "of its samples, none lost or repeated, but the steps (and a schedule counted in steps) differ from the "
         "uninterrupted run's."
     )
+    shift = consumed // global_batch - progress.ready
+    # By the same amount: a checkpoint saved in on_train_batch_end has completed = ready - 1, which Lightning's
+    # restart accounts for.
     for counter in ("ready", "started", "processed", "completed"):  # Lightning's _ProcessedTracker
-        setattr(progress, counter, consumed // global_batch)
+        setattr(progress, counter, getattr(progress, counter) + shift)
 
 
 def collect_rng_states(device: torch.device) -> dict[str, Any]:

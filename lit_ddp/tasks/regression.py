@@ -56,8 +56,9 @@ class RegressionModule(LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         preds = self(x)
-        self.val_mse(preds, y)
-        self.val_r2(preds.squeeze(-1), y.squeeze(-1))
+        # update(), not forward: the epoch value is all that is logged, and R² of a 1-sample batch is undefined.
+        self.val_mse.update(preds, y)
+        self.val_r2.update(preds.squeeze(-1), y.squeeze(-1))
         stage = "test" if self.trainer.testing else "val"
         self.log(f"{stage}/loss", self.val_mse, on_epoch=True, prog_bar=True)
         self.log(f"{stage}/r2", self.val_r2, on_epoch=True)
