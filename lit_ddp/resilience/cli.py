@@ -13,6 +13,7 @@ every rank (:func:`lit_ddp.resilience.resume.agree_on_resume_checkpoint`).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
@@ -136,6 +137,8 @@ class ResilientCLI(LightningCLI):
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy):  # torchrun's shared store: a prefix per restart (.elastic)
             init_process_group_on_shared_store(*compat.process_group_settings(strategy))
+        if not resume:  # an evaluation restores the weights only: the fit callbacks' states do not concern it
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
         config = self.config_init[self.subcommand]
         root, given = self.trainer.default_root_dir, config.get("ckpt_path")
         if given is not None and resume and restart_count() == 0:

@@ -80,6 +80,8 @@ class ExactResume(Callback):
         checkpoint[CHECKPOINT_KEY] = {"world_size": len(per_rank), "per_rank": per_rank}
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn != "fit":  # validate / test: no train loader, no training randomness to restore
+            return
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is None:
             rank_zero_warn(
