@@ -64,6 +64,7 @@ class ExactResume(Callback):
         self.purge_tensorboard = purge_tensorboard
         self._rng_states: dict[str, Any] | None = None
         self._loader_states: list[dict[str, Any]] | None = None
+        self._saved_global_batch: int | None = None
         self._purge_pending = False
         self._purge_step: int | None = None
 
@@ -77,7 +78,11 @@ class ExactResume(Callback):
             dist.all_gather_object(per_rank, local)
         else:
             per_rank = [local]
-        checkpoint[CHECKPOINT_KEY] = {"world_size": len(per_rank), "per_rank": per_rank}
+        checkpoint[CHECKPOINT_KEY] = {
+            "world_size": len(per_rank),
+            "global_batch": global_batch(trainer),
+            "per_rank": per_rank,
+        }
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn != "fit":  # validate / test: no train loader, no training randomness to restore
@@ -103,6 +108,7 @@ class ExactResume(Callback):
         if mine["train_loaders"] and fit_state is not None:
             fit_state["combined_loader"] = mine["train_loaders"]
             self._loader_states = mine["train_loaders"]
+            self._saved_global_batch = state.get("global_batch")
         self._purge_pending = self.purge_tensorboard and trainer.is_global_zero
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -125,7 +131,9 @@ class ExactResume(Callback):
                 # Lightning annotates `current` as a _ReadyCompletedTracker; the fit loop's is a _ProcessedTracker.
                 fit_loop.epoch_progress.current.processed,  # type: ignore[attr-defined]
             )
-            count_the_epoch_in_samples(trainer, self._loader_states)
+            saved, now = self._saved_global_batch, global_batch(trainer)
+            if saved is not None and saved != now and len(self._loader_states) == 1:
+                count_the_epoch_in_samples(trainer, self._loader_states, saved)
         self._loader_states = None
         if self._purge_pending:
             self._purge_step = compat.first_logged_step(trainer)
@@ -146,9 +154,18 @@ class ExactResume(Callback):
             self._purge_step = None
 
 
-def count_the_epoch_in_samples(trainer: Trainer, loader_states: list[dict[str, Any]]) -> None:
-    """Sets the batches Lightning counts as done in a resumed epoch to the samples the sampler consumed, in batches
-    of today's global batch, and warns when that changes them.
+def global_batch(trainer: Trainer) -> int | None:
+    """Samples per step over all ranks (``batch_size`` x world size) of the single train loader; None otherwise."""
+    loaders = compat.train_loaders(trainer)
+    if len(loaders) != 1 or not loaders[0].batch_size:
+        return None
+    return int(loaders[0].batch_size) * trainer.world_size
+
+
+def count_the_epoch_in_samples(trainer: Trainer, loader_states: list[dict[str, Any]], saved_global_batch: int) -> None:
+    """On a resume with another global batch than the checkpoint's ``saved_global_batch``: sets the batches
+    Lightning counts as done in the epoch to the samples the sampler consumed, in batches of today's global batch,
+    and warns.
 
     Lightning ends an epoch after ``len(train_dataloader)`` batches counted from the restored batch count, while
     the sampler (:class:`~lit_ddp.data.samplers.GlobalOrderSampler`) resumes at its sample position. With another
@@ -157,24 +174,19 @@ def count_the_epoch_in_samples(trainer: Trainer, loader_states: list[dict[str, A
     count never runs out before the data does, so the epoch ends on its last batch (Lightning's ``is_last_batch``).
     Only a single train loader whose saved state holds a ``consumed`` position is counted so.
     """
-    loaders = compat.train_loaders(trainer)
-    if len(loaders) != 1 or len(loader_states) != 1 or not loaders[0].batch_size:
-        return
+    now = global_batch(trainer)
     sampler_state = (loader_states[0].get("_sampler_iter_state") or {}).get("sampler_state") or {}
-    if "consumed" not in sampler_state:
+    if now is None or "consumed" not in sampler_state:
         return
-    consumed, global_batch = int(sampler_state["consumed"]), loaders[0].batch_size * trainer.world_size
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
-    if consumed // global_batch == progress.ready:
-        return
-    saved = f"{consumed // progress.ready}" if progress.ready and consumed % progress.ready == 0 else "another"
+    consumed = int(sampler_state["consumed"])
     rank_zero_warn(
-        f"Resuming with a global batch of {global_batch} samples ({loaders[0].batch_size} x {trainer.world_size} "
-        f"processes); the checkpoint's was {saved}: the epoch continues from its sample {consumed} and ends after all "
-        "of its samples, none lost or repeated, but the steps (and a schedule counted in steps) differ from the "
-        "uninterrupted run's."
+        f"Resuming with a global batch of {now} samples ({now // trainer.world_size} x {trainer.world_size} "
+        f"processes); the checkpoint's was {saved_global_batch}: the epoch continues from its sample {consumed} and "
+        "ends after all of its samples, none lost or repeated, but the steps (and a schedule counted in steps) "
+        "differ from the uninterrupted run's."
     )
-    shift = consumed // global_batch - progress.ready
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = consumed // now - progress.ready
     # By the same amount: a checkpoint saved in on_train_batch_end has completed = ready - 1, which Lightning's
     # restart accounts for.
     for counter in ("ready", "started", "processed", "completed"):  # Lightning's _ProcessedTracker
