@@ -141,6 +141,8 @@ class ResilientCLI(LightningCLI):
             warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
         config = self.config_init[self.subcommand]
         root, given = self.trainer.default_root_dir, config.get("ckpt_path")
+        if given in ("last", "best", "hpc", "registry"):
+            return  # Lightning's own choice by name, as the user asked
         if given is not None and resume and restart_count() == 0:
             if self.trainer.is_global_zero:  # a rollback: the newer files are abandoned
                 set_aside_later_checkpoints(root, checkpoint_dir(root), str(given))

@@ -138,3 +138,8 @@ def test_an_explicit_ckpt_path_is_honoured_once_per_job(
     fresh = tmp_path / "fresh"  # a restart before the job saved anything: X again
     cli_main(["fit", *config, "--trainer.default_root_dir", str(fresh), "--trainer.max_epochs", "2", "--ckpt_path", str(first)])  # fmt: skip
     assert f"Resuming from {first}" in caplog.text
+    # Lightning's names are Lightning's choice, not a file to roll back to
+    caplog.clear()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    cli_main(["fit", *config, "--trainer.max_epochs", "4", "--ckpt_path", "last"])
+    assert "set_aside" not in caplog.text and len(list((run / "set_aside").iterdir())) == 1
