@@ -131,7 +131,7 @@ class ResilientCLI(LightningCLI):
         evaluate it; a warning says when there is none), chosen once every rank has joined.
 
         ``fit --ckpt_path X`` is honoured once per job: its first attempt resumes from X and sets the run
-        directory's checkpoints of X's step or later aside (:func:`set_aside_later_checkpoints`); a torchrun
+        directory's checkpoints of later steps than X's aside (:func:`set_aside_later_checkpoints`); a torchrun
         restart or Slurm requeue of the same job resumes from what it saved since (X while it saved nothing)."""
         mark_running()
         strategy = self.trainer.strategy

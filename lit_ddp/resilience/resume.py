@@ -273,12 +273,13 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
 
 
 def set_aside_later_checkpoints(root_dir: str, checkpoint_dir: str, given: str) -> list[str]:
-    """Moves every checkpoint of the run directory at ``given``'s step or later, other than ``given`` itself,
-    into ``<root_dir>/set_aside/<UTC time>/``: resuming from an older checkpoint abandons them, and a later
-    automatic resume (a restart, a requeue) must not jump forward onto them. Nothing is deleted. Returns the
+    """Moves every checkpoint of the run directory of a later step than ``given``'s into
+    ``<root_dir>/set_aside/<UTC time>/``: resuming from an older checkpoint abandons them, and a later automatic
+    resume (a restart, a requeue) must not jump forward onto them. ``given`` itself, however it is spelled, and
+    its step's other files (``last.ckpt`` beside ``epoch=N-step=S.ckpt``) stay. Nothing is deleted. Returns the
     moved paths. Rank zero only, before anything of the run is written."""
     step = checkpoint_step(given)
-    later = [p for s, p in ranked_checkpoints(root_dir, checkpoint_dir) if s >= step and p != given]
+    later = [p for s, p in ranked_checkpoints(root_dir, checkpoint_dir) if s > step]
     if not later:
         return []
     fs, _ = url_to_fs(str(root_dir))
@@ -287,8 +288,8 @@ def set_aside_later_checkpoints(root_dir: str, checkpoint_dir: str, given: str) 
     for path in later:
         fs.mv(url_to_fs(path)[1], url_to_fs(_join(fs, target, path.rsplit("/", 1)[-1]))[1])
     rank_zero_warn(
-        f"Resuming from {given} (step {step}): its run directory's {len(later)} checkpoint(s) of step {step} or "
-        f"later belong to the abandoned continuation and are moved to {target}, so that no automatic resume "
+        f"Resuming from {given} (step {step}): its run directory's {len(later)} checkpoint(s) of later steps "
+        f"belong to the abandoned continuation and are moved to {target}, so that no automatic resume "
         f"returns to them: {', '.join(later)}"
     )
     return later

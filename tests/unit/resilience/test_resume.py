@@ -103,7 +103,7 @@ def test_a_resume_warns_about_each_changed_hyperparameter(tmp_path: Path) -> Non
 def test_an_explicit_ckpt_path_is_honoured_once_per_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``fit --ckpt_path X`` rolls back once: the checkpoints of X's step or later are set aside (never deleted), so
+    """``fit --ckpt_path X`` rolls back once: the checkpoints of later steps than X's are set aside (never deleted), so
     a restart does not jump forward onto the abandoned continuation; a restart of the same job (torchrun's or a
     Slurm requeue's restart count) resumes from what the job saved since X, or from X while it saved nothing
     (issue 21, item 5)."""
@@ -143,3 +143,11 @@ def test_an_explicit_ckpt_path_is_honoured_once_per_job(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     cli_main(["fit", *config, "--trainer.max_epochs", "4", "--ckpt_path", "last"])
     assert "set_aside" not in caplog.text and len(list((run / "set_aside").iterdir())) == 1
+    # a rollback to the newest step, spelled another way: nothing is later, so nothing (not X itself, not the
+    # last.ckpt of its step) is set aside, and the run resumes from it
+    [newest] = [
+        p for p in ckpts.glob("epoch=*.ckpt") if checkpoint_step(str(p)) == checkpoint_step(str(ckpts / "last.ckpt"))
+    ]
+    respelled = run / "checkpoints" / ".." / "checkpoints" / newest.name
+    cli_main(["fit", *config, "--trainer.max_epochs", "4", "--ckpt_path", str(respelled)])
+    assert newest.exists() and (ckpts / "last.ckpt").exists() and len(list((run / "set_aside").iterdir())) == 1
