@@ -44,6 +44,28 @@ def batches_that_stepped(trainer: Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
+def undo_epoch_end_recount(trainer: Trainer) -> None:
+    """Takes back the second count of an epoch when Lightning restarts from a checkpoint written in
+    ``on_train_epoch_end`` of a run bounded by ``max_steps``.
+
+    Lightning 2.6 runs that epoch's end again on restart (``_FitLoop.on_advance_end``; with ``max_epochs``,
+    ``_FitLoop.on_run_start`` marks the epoch completed instead) and counts the epoch as processed a second time:
+    the sampler of every later epoch gets the next epoch's order (``set_epoch(epoch_progress.current.processed)``).
+    Its ``_batches_that_stepped`` then gains one too, or not, depending on where validation ran
+    (:func:`set_batches_that_stepped` puts it right). Called at ``on_train_start``; does nothing for any other
+    restart. No upstream issue reports it; ``tests/unit/test_compat.py`` shows the recount is still there.
+    """
+    fit_loop = trainer.fit_loop
+    if fit_loop.restarted_on_epoch_end and fit_loop._iteration_based_training():
+        fit_loop.epoch_progress.total.processed -= 1
+        fit_loop.epoch_progress.current.processed -= 1  # type: ignore[attr-defined]  # the fit loop's: _ProcessedTracker
+
+
+def set_batches_that_stepped(trainer: Trainer, value: int) -> None:
+    """Sets the step the logger writes under (see :func:`batches_that_stepped`)."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = value
+
+
 def first_logged_step(trainer: Trainer) -> int:
     """The step at which a resumed run logs first, known at ``on_train_start``.
 

@@ -235,3 +235,19 @@ class PoisonAtStep(Callback):
         if trainer.global_step == self.step:
             with torch.no_grad():
                 next(pl_module.parameters()).fill_(float("nan"))
+
+
+class MarkTrainStart(Callback):
+    """On global rank zero, writes ``<state_dir>/started_<n>`` when training starts, ``n`` counting the starts
+    so far (one per launch or restart), so that a test can time a fault from each start.
+
+    Args:
+        state_dir: where the markers go; created if missing.
+    """
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            _write(self.state_dir, f"started_{len(list(Path(self.state_dir).glob('started_*')))}", str(os.getpid()))

@@ -67,6 +67,7 @@ class ExactResume(Callback):
         self._saved_global_batch: int | None = None
         self._purge_pending = False
         self._purge_step: int | None = None
+        self._log_step_after_epoch_end: int | None = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         local = {
@@ -135,15 +136,26 @@ class ExactResume(Callback):
             if saved is not None and saved != now and len(self._loader_states) == 1:
                 count_the_epoch_in_samples(trainer, self._loader_states, saved)
         self._loader_states = None
+        # After a checkpoint from on_train_epoch_end the next epoch's first batch logs where the saved epoch's last
+        # left off (Lightning adds one to it, or not, depending on where validation ran).
+        self._log_step_after_epoch_end = (
+            compat.batches_that_stepped(trainer) if fit_loop.restarted_on_epoch_end else None
+        )
         if self._purge_pending:
-            self._purge_step = compat.first_logged_step(trainer)
+            self._purge_step = self._log_step_after_epoch_end
+            if self._purge_step is None:
+                self._purge_step = compat.first_logged_step(trainer)
             _purge_tensorboard_from(trainer, self._purge_step)
             self._purge_pending = False
         if self._rng_states is not None:
             restore_rng_states(self._rng_states, trainer.strategy.root_device, trainer.local_rank)
             self._rng_states = None
+        compat.undo_epoch_end_recount(trainer)  # after the TensorBoard purge step was predicted from its counts
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._log_step_after_epoch_end is not None:
+            compat.set_batches_that_stepped(trainer, self._log_step_after_epoch_end)
+            self._log_step_after_epoch_end = None
         if self._purge_step is not None:
             actual = compat.batches_that_stepped(trainer)
             if actual != self._purge_step:

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
@@ -119,3 +119,51 @@ def test_summary_writer_has_no_public_event_api(tmp_path) -> None:
 
 def test_flatten_hparams() -> None:
     assert compat.flatten_hparams({"a": {"b": 1}}) == {"a/b": 1}
+
+
+class _EpochCounts(Callback):
+    """At each training epoch's start: (current_epoch, the epoch the sampler is set to, _batches_that_stepped)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module) -> None:
+        self.seen.append(
+            (
+                trainer.current_epoch,
+                trainer.fit_loop.epoch_progress.current.processed,
+                compat.batches_that_stepped(trainer),
+            )
+        )
+
+
+@pytest.mark.parametrize("undo", [False, True])
+@pytest.mark.parametrize("by", ["epochs", "steps"])
+def test_lightning_counts_an_epoch_end_twice_on_restart(tmp_path, by: str, undo: bool) -> None:
+    """A checkpoint written in on_train_epoch_end (8 batches an epoch, validation at its end), resumed: when
+    training is bounded by max_steps, Lightning sets the next epoch's sampler to epoch 2, not 1
+    (``compat.undo_epoch_end_recount``, which changes nothing when training is bounded by max_epochs), and counts
+    9 batches that stepped, not 8 (``ExactResume`` sets it back at the first batch). When the plain resume by
+    steps reads (1, 1, 8), Lightning has fixed both: delete the workarounds."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_ddp.data.regression import RegressionDataModule
+    from lit_ddp.tasks.regression import RegressionModule
+
+    def fit(epochs: int, *callbacks: Callback, ckpt_path: str | None = None) -> None:
+        bounds = {"max_epochs": epochs} if by == "epochs" else {"max_epochs": -1, "max_steps": 8 * epochs}
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, **bounds,
+                          enable_model_summary=False, default_root_dir=tmp_path, callbacks=list(callbacks))  # fmt: skip
+        trainer.fit(RegressionModule(), RegressionDataModule(num_samples=288, batch_size=32), ckpt_path=ckpt_path)
+
+    fit(1, ModelCheckpoint(dirpath=tmp_path, save_on_train_epoch_end=True, save_top_k=-1))
+    [path] = [str(p) for p in tmp_path.glob("epoch=0-step=8.ckpt")]
+
+    class Undo(Callback):
+        def on_train_start(self, trainer: Trainer, pl_module) -> None:
+            compat.undo_epoch_end_recount(trainer)
+
+    counts = _EpochCounts()
+    fit(2, counts, *([Undo()] if undo else []), ckpt_path=path)
+    expected = {("steps", False): (1, 2, 9), ("steps", True): (1, 1, 9)}.get((by, undo), (1, 1, 8))
+    assert counts.seen == [expected]
