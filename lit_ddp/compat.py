@@ -57,8 +57,9 @@ def undo_epoch_end_recount(trainer: Trainer) -> None:
     """
     fit_loop = trainer.fit_loop
     if fit_loop.restarted_on_epoch_end and fit_loop._iteration_based_training():
-        fit_loop.epoch_progress.total.processed -= 1
-        fit_loop.epoch_progress.current.processed -= 1  # type: ignore[attr-defined]  # the fit loop's: _ProcessedTracker
+        # The fit loop's trackers are _ProcessedTrackers; Lightning annotates them as _ReadyCompletedTrackers.
+        fit_loop.epoch_progress.total.processed -= 1  # type: ignore[attr-defined]
+        fit_loop.epoch_progress.current.processed -= 1  # type: ignore[attr-defined]
 
 
 def set_batches_that_stepped(trainer: Trainer, value: int) -> None:
@@ -101,6 +102,24 @@ def disable_sigterm_broadcast(trainer: Trainer) -> bool:
 
 def _no_sigterm_broadcast() -> None:
     """Stands in for Lightning's per-step SIGTERM broadcast."""
+
+
+def after_lightning_signal_handlers(trainer: Trainer, install: Callable[[], None]) -> None:
+    """Calls ``install`` right after Lightning registers its signal handlers in this trainer's next run.
+
+    ``trainer.fit`` registers them (``_signal_connector.register_signal_handlers``) after restoring the
+    checkpoint and before the sanity check; no public hook runs between that and ``on_train_start``. Its SIGTERM
+    handler broadcasts inside the handler, wherever the rank is (a collective that can interleave with DDP's),
+    and sets a flag only the per-step broadcast reads, which :func:`disable_sigterm_broadcast` turns off: a
+    SIGTERM in that window would be lost."""
+    connector = cast(Any, trainer)._signal_connector
+    register = type(connector).register_signal_handlers
+
+    def register_then_install() -> None:
+        register(connector)
+        install()
+
+    connector.register_signal_handlers = register_then_install  # an instance attribute over the method
 
 
 # ---- train loader state per rank (Lightning restores rank zero's on every rank)

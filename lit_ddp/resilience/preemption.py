@@ -63,36 +63,71 @@ class PreemptionCheckpoint(Callback):
     issue 21487, PR 21640 proposes an interval). Once this callback's handler owns SIGTERM, Lightning's flag
     can never be set, so the broadcast only costs time: ``on_train_start`` turns it off for this trainer.
 
+    A rank that a SIGTERM finds blocked in a collective (a peer died under NCCL, which tells the survivors
+    nothing, or hangs) cannot reach a step boundary: it ends itself with status 143 and one ``lit-ddp: error:``
+    line once no training or validation batch has finished for ``stall_timeout_s`` seconds after the signal
+    (:func:`lit_ddp.resilience.signals.watch_for_stalls`), instead of waiting for SIGKILL or the process group
+    timeout. Lightning registers its own SIGTERM handler in ``trainer.fit`` before the sanity check; ours
+    replaces it at once (:func:`lit_ddp.compat.after_lightning_signal_handlers`), so a SIGTERM before the first
+    step is recorded too and acted on at the first agreement.
+
     Args:
         handle_sigterm: treat SIGTERM like a preemption notice (sites that send it before the kill).
         agreement_interval_s: seconds of training between two agreements (rounded down to whole steps, at
             least one): the longest a signal waits is about twice this plus a step. Slurm's ``KillWait``
             (30 s by default) bounds what SIGTERM leaves for the save.
+        stall_timeout_s: seconds without a finished batch after a SIGTERM before the rank ends itself (longer
+            than a training or validation batch takes; below the 10 s the launchers wait before SIGKILL);
+            ``None``: never.
 
     Raises:
-        ValueError: ``agreement_interval_s`` < 0.
+        ValueError: ``agreement_interval_s`` < 0, or ``stall_timeout_s`` <= 0.
     """
 
-    def __init__(self, handle_sigterm: bool = True, agreement_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, handle_sigterm: bool = True, agreement_interval_s: float = 1.0, stall_timeout_s: float | None = 5.0
+    ) -> None:
         if agreement_interval_s < 0:
             raise ValueError(f"agreement_interval_s={agreement_interval_s} must be >= 0 (0: every step)")
+        if stall_timeout_s is not None and stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s={stall_timeout_s} must be > 0 seconds, or None (never)")
         self.handle_sigterm = handle_sigterm
         self.agreement_interval_s = agreement_interval_s
+        self.stall_timeout_s = stall_timeout_s
         # [highest signal number any rank recorded (0: none), -(fewest steps until the next agreement)]
         self._signal = DeferredFlag("max")
         self._next_step: int | None = None  # global_step of the next agreement (the same on every rank)
         self._last: tuple[float, int] | None = None  # (monotonic time, global_step) of this rank's last one
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # After Lightning's register_signal_handlers(): replace its SIGUSR1 / SIGTERM handlers with ours.
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            compat.after_lightning_signal_handlers(trainer, lambda: self._install(trainer))
+
+    def _install(self, trainer: Trainer) -> None:
+        """Our SIGUSR1 / SIGTERM handlers in place of Lightning's, and the stall watch."""
         signals.install(signal.SIGUSR1, *([signal.SIGTERM] if self.handle_sigterm else []))
+        if self.handle_sigterm and self.stall_timeout_s is not None:
+            try:
+                signals.watch_for_stalls(self.stall_timeout_s, describe=lambda: f"rank {trainer.global_rank}")
+            except RuntimeError as err:
+                log.warning(str(err))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._install(trainer)  # already there since Lightning's registration; a trainer reused without setup
         self._signal, self._next_step, self._last = DeferredFlag("max"), None, None  # a new fit: agree after step one
         if self.handle_sigterm:
             compat.disable_sigterm_broadcast(trainer)  # see the class docstring
 
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        signals.beat()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        signals.watch_for_stalls(None)
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        signals.beat()
         if compat.should_accumulate(trainer):
             return  # not an optimizer-step boundary
         step = trainer.global_step
@@ -105,6 +140,7 @@ class PreemptionCheckpoint(Callback):
         if not signum:
             return
         self._agreed_last_step(trainer)  # no collective left in flight (its answer is this one's or newer)
+        signals.watch_for_stalls(None)  # every rank is here: the save may take longer than a step
         path = compat.hpc_save_path(trainer)
         rank_zero_info(f"{signal.Signals(signum).name} received: saving {path} at global_step {trainer.global_step}")
         trainer.save_checkpoint(path)

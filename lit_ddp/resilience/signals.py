@@ -10,12 +10,24 @@ boundary, where every rank is at the same point.
 
 Standard library only: ``lit_ddp.__main__`` installs the SIGUSR1 handler before importing Lightning (about
 5 s here), so a signal during start-up is not fatal either.
+
+A handler that only records has one gap: Python runs it in the main thread between two bytecodes, so a rank
+blocked inside a collective whose peer is gone (NCCL's survivors see no error; a peer that hangs does the
+same on gloo) never runs it, and the SIGTERM that torchrun and ``srun --kill-on-bad-exit`` send first is
+lost until SIGKILL or the process group timeout. :func:`watch_for_stalls` closes it: the C-level handler also
+writes the signal number to a socket (``signal.set_wakeup_fd``), read by a thread that does not need the main
+thread; after a SIGTERM it ends the process when no step :func:`beat` for ``timeout_s`` seconds.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import sys
+import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 _requested: dict[str, float] = {}
@@ -41,3 +53,66 @@ def requested() -> int | None:
 def clear() -> None:
     """Forgets the recorded request (after it was handled)."""
     _requested.clear()
+
+
+class _StallWatch:
+    """The thread behind :func:`watch_for_stalls` (one per process); no library offers this."""
+
+    def __init__(self) -> None:
+        self.reader, self.writer = socket.socketpair()
+        self.writer.setblocking(False)  # the C-level handler must never block
+        self.timeout_s: float | None = None  # None: not watching
+        self.last_beat = time.monotonic()
+        self.describe: Callable[[], str] = str
+        threading.Thread(target=self._run, name="lit-ddp-stall-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            data = self.reader.recv(64)
+            if signal.SIGTERM not in data or self.timeout_s is None:
+                continue
+            received = time.monotonic()
+            while (timeout := self.timeout_s) is not None:
+                left = max(received, self.last_beat) + timeout - time.monotonic()
+                if left <= 0:
+                    sys.stderr.write(
+                        f"lit-ddp: error: {self.describe()}: SIGTERM received and no step finished in "
+                        f"{timeout:g} s since: a collective waits for a peer that is gone or hung; "
+                        "exiting now without a checkpoint (the newest saved one stays)\n"
+                    )
+                    sys.stderr.flush()
+                    os._exit(128 + signal.SIGTERM)
+                time.sleep(min(left, 0.1))
+
+
+_watch: _StallWatch | None = None
+
+
+def watch_for_stalls(timeout_s: float | None, describe: Callable[[], str] = str) -> None:
+    """After a SIGTERM, ends the process (status 143, one ``lit-ddp: error:`` line on stderr starting with
+    ``describe()``) once no :func:`beat` has come for ``timeout_s`` seconds, measured from the signal or the
+    last beat after it, whichever is later. ``None`` stops watching (a save that may take long has begun, or
+    training ended). Call from the main thread (``signal.set_wakeup_fd``); the SIGTERM handler must be a Python
+    one (:func:`install`), or the signal ends the process anyway.
+
+    Raises:
+        RuntimeError: something else already owns the process's wakeup fd (asyncio does).
+    """
+    global _watch
+    if _watch is None and timeout_s is not None:
+        _watch = _StallWatch()
+        previous = signal.set_wakeup_fd(_watch.writer.fileno(), warn_on_full_buffer=False)
+        if previous not in (-1, _watch.writer.fileno()):
+            signal.set_wakeup_fd(previous)
+            _watch.timeout_s = None
+            raise RuntimeError(f"the wakeup fd is taken (fd {previous}): SIGTERM is not watched for stalls")
+    if _watch is not None:
+        _watch.describe = describe
+        _watch.last_beat = time.monotonic()
+        _watch.timeout_s = timeout_s
+
+
+def beat() -> None:
+    """Marks progress (a step finished) for :func:`watch_for_stalls`."""
+    if _watch is not None:
+        _watch.last_beat = time.monotonic()
