@@ -17,7 +17,9 @@ class DeferredFlag:
     the one in flight, which by then has had at least a whole step to finish, so no step waits for the
     agreement. Every rank must call :meth:`start` at the same steps. One process (no process group): the
     values are the local ones. torch.distributed does the work; this keeps the work handle and its tensor
-    together.
+    together. On CUDA the values come back through a pinned host copy queued behind the collective and an
+    event: :meth:`result` waits for that event, i.e. for the step the collective was started in, never for the
+    work queued since (reading the device tensor, ``.tolist()``, would wait for all of it: a host sync per step).
 
     Args:
         op: ``"max"`` or ``"broadcast"`` (from rank zero).
@@ -27,7 +29,8 @@ class DeferredFlag:
         if op not in ("max", "broadcast"):
             raise ValueError(f"op={op!r} must be 'max' or 'broadcast'")
         self.op = op
-        self._in_flight: tuple[Any, torch.Tensor] | None = None  # (work or None, the tensor it fills)
+        # (work or None, the tensor it fills, the CUDA event after its host copy or None)
+        self._in_flight: tuple[Any, torch.Tensor, Any] | None = None
 
     def start(self, values: int | Sequence[int], device: torch.device, world_size: int) -> None:
         """Sends ``values`` (replacing unread ones, which the caller must have read with :meth:`result`)."""
@@ -38,7 +41,14 @@ class DeferredFlag:
                 work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
             else:
                 work = dist.broadcast(flag, src=0, async_op=True)
-        self._in_flight = (work, flag)
+        event = None
+        if flag.is_cuda:
+            if work is not None:
+                work.wait()  # NCCL: the current stream waits for the collective; the host does not
+            work, flag = None, flag.to("cpu", non_blocking=True)  # pinned by the CUDA caching host allocator
+            event = torch.cuda.Event()
+            event.record()
+        self._in_flight = (work, flag, event)
 
     def result(self) -> int | None:
         """The agreed (first) value of the collective in flight (waiting for it), or None when none is in flight."""
@@ -49,8 +59,10 @@ class DeferredFlag:
         """The agreed values of the collective in flight (waiting for it), or None when none is in flight."""
         if self._in_flight is None:
             return None
-        work, flag = self._in_flight
+        work, flag, event = self._in_flight
         self._in_flight = None
         if work is not None:
             work.wait()
+        if event is not None:
+            event.synchronize()
         return flag.tolist()

@@ -48,6 +48,10 @@ class ExactResume(Callback):
       (written at ``on_train_start``) makes TensorBoard drop the points that the killed run logged after
       its checkpoint, so each step appears once and none is missing.
 
+    A checkpoint written in ``on_train_epoch_end`` (``save_on_train_epoch_end``) of a run bounded by ``max_steps``:
+    Lightning counts that epoch twice on restart, so every later epoch would draw the next one's order and log a
+    step off; both are set back (:func:`lit_ddp.compat.undo_epoch_end_recount`).
+
     A checkpoint written with another global batch (``batch_size`` x processes): the epoch still ends after all
     of its samples (:func:`count_the_epoch_in_samples`), with a warning.
 

@@ -107,3 +107,16 @@ def test_lightnings_per_step_sigterm_broadcast_goes_when_we_own_sigterm() -> Non
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path: run where a GPU is")
+def test_a_deferred_flag_on_cuda_waits_for_its_own_step_only() -> None:
+    """The agreed values come back through a host copy and an event recorded when the flag was sent: reading
+    them does not wait for GPU work queued afterwards (``.tolist()`` on the device tensor would)."""
+    flag = DeferredFlag("max")
+    flag.start([3, -7], torch.device("cuda"), world_size=1)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued after the flag (cycles)
+    started = time.monotonic()
+    assert flag.results() == [3, -7]
+    assert time.monotonic() - started < 0.5, "the read waited for work queued after the flag"
+    torch.cuda.synchronize()
