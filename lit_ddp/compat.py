@@ -62,27 +62,15 @@ def undo_epoch_end_recount(trainer: Trainer) -> None:
         fit_loop.epoch_progress.current.processed -= 1  # type: ignore[attr-defined]
 
 
+def validation_due(trainer: Trainer) -> bool:
+    """Whether Lightning runs validation after the current training batch (asked in ``on_train_batch_end``)."""
+    fit_loop, data_fetcher = trainer.fit_loop, trainer.fit_loop._data_fetcher
+    return data_fetcher is not None and bool(fit_loop.epoch_loop._should_check_val_fx(data_fetcher))
+
+
 def set_batches_that_stepped(trainer: Trainer, value: int) -> None:
     """Sets the step the logger writes under (see :func:`batches_that_stepped`)."""
     trainer.fit_loop.epoch_loop._batches_that_stepped = value
-
-
-def first_logged_step(trainer: Trainer) -> int:
-    """The step at which a resumed run logs first, known at ``on_train_start``.
-
-    Lightning adds 1 to the restored ``_batches_that_stepped`` in ``TrainingEpochLoop.reset`` (after
-    ``on_train_start``, before the first batch) under this condition, copied from it; the caller checks the
-    prediction at the first batch.
-    """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    step = int(epoch_loop._batches_that_stepped)
-    if (
-        epoch_loop.restarting
-        and not epoch_loop._should_accumulate()
-        and (epoch_loop.restarted_on_train_batch_end or not epoch_loop.restarted_on_last)
-    ):
-        step += 1
-    return step
 
 
 def disable_sigterm_broadcast(trainer: Trainer) -> bool:

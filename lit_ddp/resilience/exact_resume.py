@@ -45,7 +45,7 @@ class ExactResume(Callback):
     - then each rank's RNG states are set, after everything that draws from them while the loaders are
       built, so the next training step sees the same random numbers as in the uninterrupted run;
     - with ``purge_tensorboard``, a TensorBoard "session start" event at the first step the resumed run logs
-      (written at ``on_train_start``) makes TensorBoard drop the points that the killed run logged after
+      (written at its first training batch) makes TensorBoard drop the points that the killed run logged after
       its checkpoint, so each step appears once and none is missing.
 
     A checkpoint written in ``on_train_epoch_end`` (``save_on_train_epoch_end``) of a run bounded by ``max_steps``:
@@ -70,7 +70,6 @@ class ExactResume(Callback):
         self._loader_states: list[dict[str, Any]] | None = None
         self._saved_global_batch: int | None = None
         self._purge_pending = False
-        self._purge_step: int | None = None
         self._log_step_after_epoch_end: int | None = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -88,6 +87,10 @@ class ExactResume(Callback):
             "global_batch": global_batch(trainer),
             "per_rank": per_rank,
         }
+        # What was logged up to this checkpoint reaches the disk with it (TensorBoard flushes every 2 minutes): a
+        # kill after a validation-end save lost that validation's points, which the resumed run does not log again.
+        for logger in trainer.loggers:
+            logger.save()
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn != "fit":  # validate / test: no train loader, no training randomness to restore
@@ -145,29 +148,18 @@ class ExactResume(Callback):
         self._log_step_after_epoch_end = (
             compat.batches_that_stepped(trainer) if fit_loop.restarted_on_epoch_end else None
         )
-        if self._purge_pending:
-            self._purge_step = self._log_step_after_epoch_end
-            if self._purge_step is None:
-                self._purge_step = compat.first_logged_step(trainer)
-            _purge_tensorboard_from(trainer, self._purge_step)
-            self._purge_pending = False
         if self._rng_states is not None:
             restore_rng_states(self._rng_states, trainer.strategy.root_device, trainer.local_rank)
             self._rng_states = None
-        compat.undo_epoch_end_recount(trainer)  # after the TensorBoard purge step was predicted from its counts
+        compat.undo_epoch_end_recount(trainer)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._log_step_after_epoch_end is not None:
             compat.set_batches_that_stepped(trainer, self._log_step_after_epoch_end)
             self._log_step_after_epoch_end = None
-        if self._purge_step is not None:
-            actual = compat.batches_that_stepped(trainer)
-            if actual != self._purge_step:
-                rank_zero_warn(
-                    f"Resumed run logs from step {actual}, TensorBoard was told {self._purge_step}: "
-                    "some steps may show twice or be missing."
-                )
-            self._purge_step = None
+        if self._purge_pending:  # the step the first point of the resumed run is logged at, known only now
+            _purge_tensorboard_from(trainer, compat.batches_that_stepped(trainer))
+            self._purge_pending = False
 
 
 def global_batch(trainer: Trainer) -> int | None:

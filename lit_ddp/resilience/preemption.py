@@ -36,12 +36,14 @@ class PreemptionCheckpoint(Callback):
     non-blocking all-reduce (MAX) of "a signal was recorded here" and reads the one it started at the
     previous agreement: the agreement overlaps the steps in between instead of stalling one, and costs no
     step a wait. The steps between two agreements are agreed too: each rank proposes ``agreement_interval_s``
-    over its own mean step time since the last agreement, and the all-reduce carries the smallest proposal
+    over its own mean step time since the last agreement (at most twice the last interval, so that a few fast
+    steps between validations do not propose an interval spanning many of them), and the all-reduce carries the smallest proposal
     to every rank with the flag, so all ranks meet at the same steps (the first agreement is after the
     first step). When any rank had a signal, all of them, at most two intervals and a step after it was
     recorded:
 
-    1. save one checkpoint through the normal path (``trainer.save_checkpoint``: atomic, with every rank's
+    1. at that step, or the next one when validation is due after it (a resume would skip that validation), save
+       one checkpoint through the normal path (``trainer.save_checkpoint``: atomic, with every rank's
        RNG and loader states) as ``<default_root_dir>/hpc_ckpt_N.ckpt``, Lightning's name for it, and wait
        for an asynchronous write in flight (the checkpoint is on disk before anything else happens);
     2. under Slurm with ``SLURMEnvironment(auto_requeue=True)`` and its requeue signal, rank zero runs
@@ -98,6 +100,7 @@ class PreemptionCheckpoint(Callback):
         self._signal = DeferredFlag("max")
         self._next_step: int | None = None  # global_step of the next agreement (the same on every rank)
         self._last: tuple[float, int] | None = None  # (monotonic time, global_step) of this rank's last one
+        self._deferred = 0  # a signal agreed on at a step after which validation was due
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -115,6 +118,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._install(trainer)  # already there since Lightning's registration; a trainer reused without setup
         self._signal, self._next_step, self._last = DeferredFlag("max"), None, None  # a new fit: agree after step one
+        self._deferred = 0  # a signal agreed on at a step after which validation was due
         if self.handle_sigterm:
             compat.disable_sigterm_broadcast(trainer)  # see the class docstring
 
@@ -130,14 +134,21 @@ class PreemptionCheckpoint(Callback):
         signals.beat()
         if compat.should_accumulate(trainer):
             return  # not an optimizer-step boundary
-        step = trainer.global_step
-        if self._next_step is not None and step < self._next_step:
-            return
-        agreed = self._signal.results()
-        self._next_step = step + (-agreed[1] if agreed else 1)
-        self._start_agreement(trainer, signals.requested())
-        signum = agreed[0] if agreed else 0
+        step, signum = trainer.global_step, self._deferred
         if not signum:
+            if self._next_step is not None and step < self._next_step:
+                return
+            agreed = self._signal.results()
+            self._next_step = step + (-agreed[1] if agreed else 1)
+            self._start_agreement(trainer, signals.requested())
+            signum = agreed[0] if agreed else 0
+            if not signum:
+                return
+        # Lightning validates after this hook when validation is due, and a resume from a checkpoint written here
+        # skips that validation: save at the next step boundary instead, once (every rank decides alike).
+        deferred_already, self._deferred = self._deferred, 0
+        if not deferred_already and compat.validation_due(trainer):
+            self._deferred = signum
             return
         self._agreed_last_step(trainer)  # no collective left in flight (its answer is this one's or newer)
         signals.watch_for_stalls(None)  # every rank is here: the save may take longer than a step
@@ -166,7 +177,10 @@ class PreemptionCheckpoint(Callback):
         steps = 1
         if self._last is not None and step > self._last[1]:
             seconds_per_step = (now - self._last[0]) / (step - self._last[1])
-            steps = max(1, min(MAX_STEPS_BETWEEN_AGREEMENTS, int(self.agreement_interval_s / seconds_per_step)))
+            # At most twice the last interval: steps measured between two validations (or text samples) would
+            # otherwise propose an interval that spans many of them, and a signal would wait through all.
+            most = min(MAX_STEPS_BETWEEN_AGREEMENTS, 2 * (step - self._last[1]))
+            steps = max(1, min(most, int(self.agreement_interval_s / seconds_per_step)))
         self._last = (now, step)
         self._signal.start([local or 0, -steps], trainer.strategy.root_device, trainer.world_size)
 

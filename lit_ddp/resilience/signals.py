@@ -21,7 +21,6 @@ thread; after a SIGTERM it ends the process when no step :func:`beat` for ``time
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import sys
@@ -81,7 +80,9 @@ class _StallWatch:
                         "exiting now without a checkpoint (the newest saved one stays)\n"
                     )
                     sys.stderr.flush()
-                    os._exit(128 + signal.SIGTERM)
+                    from lit_ddp import compat  # imported long before (fit is running): no import work here
+
+                    compat.exit_now(128 + signal.SIGTERM)
                 time.sleep(min(left, 0.1))
 
 

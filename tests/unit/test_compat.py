@@ -28,11 +28,8 @@ def test_loop_position_internals(trainer: Trainer) -> None:
     assert compat.should_accumulate(trainer) is False  # no accumulation configured
     assert compat.batches_that_stepped(trainer) == 0
     assert isinstance(compat.should_update_logs(trainer), bool)
-    assert compat.first_logged_step(trainer) == 0
-    # first_logged_step copies TrainingEpochLoop.reset's condition: it must still be there, word for word.
-    source = inspect.getsource(_TrainingEpochLoop.reset)
-    assert "self._batches_that_stepped += 1" in source
-    assert "restarted_on_train_batch_end or not self.restarted_on_last" in source
+    assert compat.validation_due(trainer) is False  # no fit running
+    assert "data_fetcher" in inspect.signature(_TrainingEpochLoop._should_check_val_fx).parameters
 
 
 def test_lightning_still_broadcasts_sigterm_before_every_step(trainer: Trainer) -> None:
