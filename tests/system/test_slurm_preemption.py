@@ -59,9 +59,11 @@ def preempt(job: str, rng: random.Random, out: Path) -> list[float]:
             time.sleep(0.2)
         delays.append(rng.uniform(1.0, 45.0))  # start-up takes 10-25 s here: some land in it, most in training
         time.sleep(delays[-1])
-        while job_info(job).get("Restarts") == str(restarts):
-            assert job_info(job).get("JobState") == "RUNNING", (job_info(job), out.read_text()[-3000:])
-            subprocess.run(["scancel", "--signal=USR1", job], capture_output=True, timeout=15, check=False)
+        while (info := job_info(job)).get("Restarts") == str(restarts):
+            # COMPLETING / REQUEUED: the last signal is being acted on; send another only while it still runs
+            assert info.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), (info, out.read_text()[-3000:])
+            if info.get("JobState") == "RUNNING":
+                subprocess.run(["scancel", "--signal=USR1", job], capture_output=True, timeout=15, check=False)
             time.sleep(5)
     return delays
 
