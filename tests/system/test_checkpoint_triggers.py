@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 from collections import Counter
@@ -169,8 +170,6 @@ def test_random_strikes_resume_exactly_from_each_trigger(
     text: Path,
     seed: int,
 ) -> None:
-    import re
-
     rng = random.Random(seed)
     state = tmp_path / "state"
     cb, rec = helpers.recorder_config(tmp_path, "run", callback(MarkTrainStart, state_dir=str(state)))
