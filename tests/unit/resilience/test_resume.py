@@ -76,8 +76,9 @@ def test_resume_order_is_by_recorded_step_not_file_time(tmp_path: Path) -> None:
 
 
 def test_a_resume_warns_about_each_changed_hyperparameter(tmp_path: Path) -> None:
-    """An automatic resume with an edited learning rate says the restored optimizer keeps the checkpoint's
-    (issue 21, item 5); an unchanged config resumes quietly."""
+    """An automatic resume with an edited learning rate names the hyperparameter and the optimizer setting the
+    restore keeps (issue 21, item 5), and the run trains with the checkpoint's rate; resumed again, the
+    hyperparameters match but the restored rate still is not the config's: only that is said again."""
     import warnings
 
     from lit_ddp.cli import cli_main
@@ -90,14 +91,49 @@ def test_a_resume_warns_about_each_changed_hyperparameter(tmp_path: Path) -> Non
         str(tmp_path),
     ]
     cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "1"])
-    with pytest.warns(
-        UserWarning, match=r"written with model.init_args.learning_rate=0.001; the config now says 0.002"
-    ):
-        cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "2", "--model.init_args.learning_rate", "0.002"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "2", "--model.init_args.learning_rate", "0.002"])  # fmt: skip
+    messages = [str(w.message) for w in caught]
+    assert any("written with model.init_args.learning_rate=0.001; the config now says 0.002" in m for m in messages)
+    assert any(
+        "continue with the checkpoint's settings" in m and "param_groups[0].lr: 0.001 (the config gives 0.002)" in m
+        for m in messages
+    ), messages
+    assert cli is not None and cli.trainer.optimizers[0].param_groups[0]["lr"] == 0.001, "the warning tells the truth"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli_main(["fit", *config, *QUIET, "--trainer.max_epochs", "3", "--model.init_args.learning_rate", "0.002"])
-    assert not [w for w in caught if "written with model.init_args" in str(w.message)]
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "written with model.init_args" in m], (
+        "the saved hyperparameters are the config's"
+    )
+    assert [m for m in messages if "(the config gives 0.002)" in m], "the optimizer still runs at the restored rate"
+
+
+def test_every_resume_warns_when_the_restored_schedule_differs_from_the_config(tmp_path: Path) -> None:
+    """A longer ``max_steps`` moves the end of minGPT's cosine (its decay_steps follow the run's length), but the
+    restored scheduler keeps the checkpoint's: an explicit ``--ckpt_path`` resume says so, naming the setting
+    (issue 21, item 5); a resume with the same settings says nothing."""
+    import warnings
+
+    from lit_ddp.cli import cli_main
+    from tests.helpers import REPO, TINY_GPT_ARGS
+
+    config = ["--config", str(REPO / "configs/mingpt/cpu.yaml"), *TINY_GPT_ARGS, "--trainer.devices", "1", "--checkpoint.save_top_k", "-1", "--trainer.default_root_dir", str(tmp_path / "a")]  # fmt: skip
+    short = ["--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1"]
+    cli_main(["fit", *config, *short, "--model.init_args.warmup_steps", "2", "--checkpoint.every_n_train_steps", "3"])
+    [first] = sorted((tmp_path / "a" / "checkpoints").glob("epoch=*step=3.ckpt"))
+    other = ["--trainer.default_root_dir", str(tmp_path / "b"), "--ckpt_path", str(first)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli_main(["fit", *config, *short, "--model.init_args.warmup_steps", "2", *other, "--trainer.max_steps", "9"])
+    [warning] = [str(w.message) for w in caught if "checkpoint's settings" in str(w.message)]
+    assert f"Resuming from {first}" in warning and "_milestones: [2, 6] (the config gives [2, 9])" in warning, warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli_main(["fit", *config, *short, "--model.init_args.warmup_steps", "2", *other[:2], "--ckpt_path", str(first)])  # fmt: skip
+    assert not [w for w in caught if "checkpoint's settings" in str(w.message)]
 
 
 def test_an_explicit_ckpt_path_is_honoured_once_per_job(
