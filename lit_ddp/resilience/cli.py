@@ -13,16 +13,19 @@ every rank (:func:`lit_ddp.resilience.resume.agree_on_resume_checkpoint`).
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp import compat
-from lit_ddp.launch.environment import follow_torchrun
+from lit_ddp.launch.environment import config_value, follow_torchrun
 from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, run_preflight
 from lit_ddp.launch.reporting import mark_running
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
@@ -49,6 +52,30 @@ def checkpoint_dir(root_dir: str | None) -> str:
     return root.rstrip("/") + "/checkpoints"
 
 
+def default_run_directory(config_files: list[Any] | None, model_class_path: str | None) -> str:
+    """The run directory of a config that sets no ``trainer.default_root_dir``: ``runs/<folder>/<name>`` of its
+    step config (the last ``--config`` that names a ``model``, else the last one), as every config of ours names
+    its own (``configs/mingpt/cpu.yaml``: ``runs/mingpt/cpu``); without a config file, ``runs/<model class>``;
+    without either, ``runs/default``. The same command finds its run again, and two configs never resume each
+    other's checkpoints (one shared ``runs/default`` did)."""
+    paths = [Path(os.fspath(str(f))) for f in config_files or []]
+    if paths:
+        steps = [p for p in paths if _names_a_model(p)]
+        step = (steps or paths)[-1]
+        return "/".join(["runs", *([step.parent.name] if step.parent.name else []), step.stem])
+    if model_class_path:
+        return f"runs/{model_class_path.rsplit('.', 1)[-1].lower()}"
+    return DEFAULT_ROOT_DIR
+
+
+def _names_a_model(path: Path) -> bool:
+    try:
+        content = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(content, dict) and "model" in content
+
+
 def _as_list(value: Any) -> list[Any]:
     return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
@@ -61,6 +88,8 @@ class ResilientCLI(LightningCLI):
       ``<trainer.default_root_dir>/checkpoints``; the tutorial's ``save_every`` is ``checkpoint.every_n_epochs``.
       With no trigger set it saves every epoch (ModelCheckpoint's default); a trigger given alone
       (``--checkpoint.every_n_train_steps 50``) is the only one.
+    - Without ``trainer.default_root_dir`` the run directory is named after the config
+      (:func:`default_run_directory`).
     - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank).
     - Every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint` (``trainer_defaults``), and
       writes every checkpoint
@@ -72,6 +101,7 @@ class ResilientCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._derived_root: str | None = None
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a restart rewrites config.yaml
         # A NaN/inf loss stops training with a message naming the step; the last good checkpoint is kept.
         # A preemption signal saves, requeues (Slurm) and stops at an agreed optimizer step, on every rank.
@@ -84,7 +114,6 @@ class ResilientCLI(LightningCLI):
             {
                 "checkpoint.save_last": True,
                 "checkpoint.save_top_k": -1,
-                "trainer.default_root_dir": DEFAULT_ROOT_DIR,
             }
         )
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
@@ -96,6 +125,11 @@ class ResilientCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             config = self.config[subcommand]
+            if config.get("trainer") is not None and not config.trainer.get("default_root_dir"):
+                root = default_run_directory(config.get("config"), config_value(config.get("model"), "class_path"))
+                config.trainer.default_root_dir = root
+                config.checkpoint.dirpath = checkpoint_dir(root)
+                self._derived_root = root
             check_ckpt_path(config.get("ckpt_path"))
             check_ckpt_matches_config(config.get("ckpt_path"), config.get("model"))
 
@@ -106,8 +140,10 @@ class ResilientCLI(LightningCLI):
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
         run_preflight(config.get("trainer"))
+        if self._derived_root is not None:
+            rank_zero_info(f"Run directory: {self._derived_root} (trainer.default_root_dir is not set)")
         if self.subcommand == "fit":  # one live job per run directory (rank zero holds it until it exits)
-            hold_run_directory(str(config.trainer.get("default_root_dir") or DEFAULT_ROOT_DIR))
+            hold_run_directory(str(config.trainer.default_root_dir))
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         trainer_config = self._get(self.config_init, "trainer", default={})

@@ -81,3 +81,31 @@ def test_validate_and_test_evaluate_the_run_directory(tmp_path: Path) -> None:
         cli = cli_main([subcommand, *config, *QUIET])
         assert cli is not None and float(cli.trainer.callback_metrics[key]) == fitted
     assert float(untrained.trainer.callback_metrics["val/loss"]) != fitted
+
+
+def test_configs_without_a_run_directory_get_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two configs that set no ``trainer.default_root_dir`` train in two directories named after them (one shared
+    ``runs/default`` made each resume the other's checkpoints: issue 21, item 5); the same command finds its run
+    again; a fragment composed after the step config does not rename it."""
+    import yaml
+
+    from lit_ddp.resilience.cli import default_run_directory
+
+    monkeypatch.chdir(tmp_path)
+    step = yaml.safe_load((REPO / "configs/regression/single_device.yaml").read_text())
+    del step["trainer"]["default_root_dir"]
+    (tmp_path / "experiments").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "experiments" / f"{name}.yaml").write_text(yaml.safe_dump(step))
+    fragment = tmp_path / "fragment.yaml"
+    fragment.write_text(yaml.safe_dump({"trainer": {"max_epochs": 1}}))
+    for name in ("a", "b"):
+        trainer = trainer_of("--config", f"experiments/{name}.yaml", "--config", str(fragment))
+        assert trainer.default_root_dir == f"runs/experiments/{name}"
+        assert trainer.checkpoint_callback.dirpath == str((tmp_path / f"runs/experiments/{name}/checkpoints").resolve())
+    assert cli_main(["fit", "--config", "experiments/a.yaml", *QUIET, "--trainer.max_epochs", "1"]) is not None
+    assert list((tmp_path / "runs/experiments/a/checkpoints").glob("*.ckpt"))
+    assert not (tmp_path / "runs/experiments/b/checkpoints").exists(), "b does not see a's checkpoints"
+    assert default_run_directory([], "lit_ddp.tasks.mingpt.GPTModule") == "runs/gptmodule"
+    assert default_run_directory([], None) == "runs/default"
+    assert default_run_directory([Path("step.yaml")], None) == "runs/step"
