@@ -39,7 +39,8 @@ class LitDDPCLI(ResilientCLI):
     - the logger defaults to a TensorBoardLogger writing straight into ``trainer.default_root_dir`` (no
       ``version_N`` folders), so a restart continues the same log; hyperparameters go into the event files
       too (:class:`~lit_ddp.tensorboard.HParamsTensorBoardLogger`);
-    - ``fit`` ends by printing the best monitored value, the checkpoint and a text sample (minGPT).
+    - ``fit`` ends by printing the best monitored value with its step and file, the last checkpoint and its
+      step, and a text sample (minGPT).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -77,15 +78,12 @@ class LitDDPCLI(ResilientCLI):
         return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
-        """Rank zero prints the best monitored value, the checkpoint path, and a text sample when the model
-        is a GPT (local to rank zero: no collective calls)."""
+        """Rank zero prints the best monitored value (unless the monitor is ``step``: keep-the-newest), its step and
+        file, the last checkpoint, and a text sample when the model is a GPT (local to rank zero: no collective
+        calls)."""
+        super().after_fit()  # the checkpoints: best monitored value, its step and file; the last one
         if not self.trainer.is_global_zero:
             return
-        ckpt = self.trainer.checkpoint_callback
-        if ckpt is not None and ckpt.best_model_score is not None:
-            print(f"best {ckpt.monitor}: {float(ckpt.best_model_score):.4f}")
-        if ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
-            print(f"checkpoint: {ckpt.best_model_path or ckpt.last_model_path}")
         if isinstance(self.model, GPTModule):
             print(f"sample:\n{sample(self.model)}")
 

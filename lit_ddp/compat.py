@@ -20,6 +20,7 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 # ---- the training loop's position
@@ -180,6 +181,17 @@ def install_resume_resolver(trainer: Trainer, marker: str, resolve: Callable[[],
             super().resume_start(checkpoint_path, weights_only)
 
     trainer._checkpoint_connector = _ResolvingConnector(trainer)
+
+
+def last_saved_step(callback: ModelCheckpoint) -> int:
+    """The ``global_step`` of ``callback``'s newest save in this run (0 before any)."""
+    return int(callback._last_global_step_saved)
+
+
+def save_last_checkpoint(callback: ModelCheckpoint, trainer: Trainer) -> None:
+    """Writes ``callback``'s ``last.ckpt`` now, as its triggers do (ModelCheckpoint has no public call for it).
+    Collective: every rank must call it."""
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
 def wait_for_async_writes(checkpoint_io: Any) -> None:

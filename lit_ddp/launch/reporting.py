@@ -171,7 +171,8 @@ def _exit_from_rank(e: BaseException) -> NoReturn:
     where = f"rank {_rank()} on {socket.gethostname()}"
     if is_peer_lost(e):
         print(
-            f"lit-ddp: {where}: lost the connection to another rank, which stopped; its message names the cause",
+            f"lit-ddp: {where}: lost the connection to another rank, which stopped: its own lit-ddp message names "
+            "the cause, or, with none, it was killed (SIGKILL, out of memory; the launcher's report names it)",
             file=sys.stderr,
             flush=True,
         )

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -37,6 +38,7 @@ from lit_ddp.resilience.preemption import PreemptionCheckpoint
 from lit_ddp.resilience.resume import (
     RESUME_AUTO,
     check_resumable,
+    checkpoint_step,
     restart_count,
     resume_from_agreed_checkpoint,
     set_aside_later_checkpoints,
@@ -154,6 +156,19 @@ class ResilientCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._start_run(resume=True)
+
+    def after_fit(self) -> None:
+        """Rank zero prints the best monitored value (unless the monitor is ``step``, which keeps the newest), its
+        step and file, and the last checkpoint with its step."""
+        ckpt = self.trainer.checkpoint_callback
+        if not self.trainer.is_global_zero or not isinstance(ckpt, ModelCheckpoint):
+            return
+        if ckpt.monitor not in (None, "step") and ckpt.best_model_score is not None and ckpt.best_model_path:
+            best = ckpt.best_model_path
+            print(f"best {ckpt.monitor}: {float(ckpt.best_model_score):.4f} at global_step {checkpoint_step(best)}")
+            print(f"best checkpoint: {best}")
+        if ckpt.last_model_path:
+            print(f"last checkpoint: {ckpt.last_model_path} (global_step {checkpoint_step(ckpt.last_model_path)})")
 
     def before_validate(self) -> None:
         self._start_run(resume=False)

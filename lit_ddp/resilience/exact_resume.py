@@ -26,7 +26,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp import compat
-from lit_ddp.resilience.resume import training_settings, warn_restored_settings
+from lit_ddp.resilience.resume_report import (
+    reached_its_end,
+    say_where_the_run_resumed,
+    training_settings,
+    warn_restored_settings,
+)
 
 CHECKPOINT_KEY = "exact_resume"
 
@@ -61,9 +66,10 @@ class ExactResume(Callback):
     the data is exact; the RNG states are those of rank ``r mod n`` (a warning says so), so random draws
     inside a step (dropout) differ from an uninterrupted run's.
 
-    Every resume (automatic, ``--ckpt_path``, a restart) compares the optimizers' and LR schedulers' settings
+    Every resume (automatic, ``--ckpt_path``, a restart) says where it continues, or that the run had already
+    finished (:func:`lit_ddp.resilience.resume_report.say_where_the_run_resumed`), and compares the optimizers' and LR schedulers' settings
     as the config built them with those the checkpoint restored, and warns about each that differs
-    (:func:`lit_ddp.resilience.resume.warn_restored_settings`).
+    (:func:`lit_ddp.resilience.resume_report.warn_restored_settings`).
 
     Args:
         purge_tensorboard: write TensorBoard's purge marker on resume (see above).
@@ -77,6 +83,7 @@ class ExactResume(Callback):
         self._purge_pending = False
         self._log_step_after_epoch_end: int | None = None
         self._configured_settings: dict[str, Any] | None = None
+        self._train_started = False
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         local = {
@@ -125,13 +132,22 @@ class ExactResume(Callback):
             self._saved_global_batch = state.get("global_batch")
         self._purge_pending = self.purge_tensorboard and trainer.is_global_zero
 
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning skips the training loop, and on_train_start, when the restored run is at its end already.
+        if trainer.ckpt_path is not None and not self._train_started and reached_its_end(trainer):
+            say_where_the_run_resumed(trainer, finished=True)
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._train_started = False
         # Lightning has built the optimizers and schedulers from the config and restores them after this hook.
         self._configured_settings = training_settings(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.ckpt_path is not None and self._configured_settings is not None:
-            warn_restored_settings(str(trainer.ckpt_path), self._configured_settings, training_settings(trainer))
+        self._train_started = True
+        if trainer.ckpt_path is not None:
+            say_where_the_run_resumed(trainer)
+            if self._configured_settings is not None:
+                warn_restored_settings(str(trainer.ckpt_path), self._configured_settings, training_settings(trainer))
         self._configured_settings = None
         fit_loop = trainer.fit_loop
         if any(

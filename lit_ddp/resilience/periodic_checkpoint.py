@@ -24,7 +24,8 @@ class PeriodicCheckpoint(ModelCheckpoint):
     later, on every rank alike). No trigger saves inside a gradient-accumulation window, whose partial gradients
     no checkpoint holds; it fires at the window's end. Everything
     else (``save_last``, ``save_top_k``, ``monitor``, file names) is ``ModelCheckpoint``'s. To keep the
-    newest K step checkpoints: ``monitor="step", mode="max", save_top_k=K``.
+    newest K step checkpoints: ``monitor="step", mode="max", save_top_k=K``. With ``save_last``, a run that ends
+    (``max_steps`` / ``max_epochs``) between two triggers also saves its last step as ``last.ckpt``.
 
     Args:
         every_n_train_steps: save after every this many optimizer steps (``None`` or 0: never by steps).
@@ -71,6 +72,33 @@ class PeriodicCheckpoint(ModelCheckpoint):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._save_by_triggers(trainer, pl_module, outputs, batch, batch_idx)
+        if _at_max_steps(trainer) and not compat.validation_due(trainer):
+            self._save_the_end(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)  # its own saves (top-k of the monitored value) come first
+        if _at_max_steps(trainer) and not trainer.sanity_checking:
+            self._save_the_end(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        max_epochs = trainer.max_epochs
+        if max_epochs is not None and max_epochs != -1 and trainer.current_epoch + 1 >= max_epochs:
+            self._save_the_end(trainer)
+
+    def _save_the_end(self, trainer: Trainer) -> None:
+        """``last.ckpt`` at the run's last step (``max_steps``, or the end of its last epoch) when no trigger saved
+        it: the same command run again then finds the run finished instead of retraining the steps after the last
+        trigger. After the last batch, or after the validation due at that step, or at the last epoch's end; not
+        in ``on_train_end``: by then Lightning has counted the epoch as complete, and a longer run resumed from
+        there would skip the rest of it."""
+        if self.save_last is True and compat.last_saved_step(self) != trainer.global_step:
+            compat.save_last_checkpoint(self, trainer)
+
+    def _save_by_triggers(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if compat.should_accumulate(trainer):
             return  # inside a gradient-accumulation window: a save would lose the partial gradients (every rank alike)
         interval = self._train_time_interval
@@ -96,3 +124,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
 
     def _time_due_last_step(self) -> bool:
         return bool(self._time_due.result())
+
+
+def _at_max_steps(trainer: Trainer) -> bool:
+    return trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps

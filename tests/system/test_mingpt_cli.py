@@ -35,7 +35,8 @@ def test_fit_then_generate_without_data(tmp_path: Path, capsys: pytest.CaptureFi
     ])
     # fmt: on
     printed = capsys.readouterr().out
-    assert "best val/loss: " in printed and "checkpoint: " in printed and "sample:\nO God, O God!" in printed
+    assert "best val/loss: " in printed and " at global_step " in printed and "last checkpoint: " in printed
+    assert "sample:\nO God, O God!" in printed
     text.unlink()
     ckpt = root / "checkpoints" / "last.ckpt"
     raw = torch.load(ckpt, weights_only=True)  # the whole Lightning checkpoint is weights_only-safe

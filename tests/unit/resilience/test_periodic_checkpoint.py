@@ -112,3 +112,32 @@ def test_no_save_inside_a_gradient_accumulation_window(tmp_path: Path) -> None:
     )  # fmt: skip
     trainer.fit(RegressionModule(), RegressionDataModule(num_samples=512))
     assert probe.saves and not any(probe.saves), probe.saves
+
+
+def test_a_run_says_where_it_resumed_saves_its_end_and_knows_when_it_finished(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """max_steps=25 with a checkpoint every 10 steps: last.ckpt holds step 25, not 20 (a re-run retrained steps
+    21-25); the same command again says it had finished and trains no step; a longer max_steps says where it
+    resumed (issue 25)."""
+    import logging
+
+    from lit_ddp.cli import cli_main
+    from lit_ddp.resilience.resume import checkpoint_step
+    from tests.helpers import QUIET, REPO
+
+    caplog.set_level(logging.INFO)
+    config = ["--config", str(REPO / "configs/regression/single_device.yaml"), "--trainer.default_root_dir", str(tmp_path), "--checkpoint.every_n_epochs", "0", "--checkpoint.every_n_train_steps", "10", *QUIET]  # fmt: skip
+    cli_main(["fit", *config, "--trainer.max_steps", "25"])
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert checkpoint_step(str(last)) == 25
+    saved_at = last.stat().st_mtime_ns
+    caplog.clear()
+    cli = cli_main(["fit", *config, "--trainer.max_steps", "25"])
+    assert cli is not None and cli.trainer.global_step == 25
+    assert "Already finished (global_step 25, epoch 0; max_steps=25), nothing to train" in caplog.text
+    assert last.stat().st_mtime_ns == saved_at, "a run that trained nothing writes nothing"
+    caplog.clear()
+    cli_main(["fit", *config, "--trainer.max_steps", "30"])
+    assert f"Resumed from {last} at global_step 25, epoch 0" in caplog.text
+    assert checkpoint_step(str(last)) == 30
