@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 
 from lit_ddp.data.regression import RegressionDataModule
@@ -138,6 +139,11 @@ def test_a_run_says_where_it_resumed_saves_its_end_and_knows_when_it_finished(
     assert "Already finished (global_step 25, epoch 0; max_steps=25), nothing to train" in caplog.text
     assert last.stat().st_mtime_ns == saved_at, "a run that trained nothing writes nothing"
     caplog.clear()
-    cli_main(["fit", *config, "--trainer.max_steps", "30"])
+    resumed = cli_main(["fit", *config, "--trainer.max_steps", "30"])
     assert f"Resumed from {last} at global_step 25, epoch 0" in caplog.text
     assert checkpoint_step(str(last)) == 30
+    # the end's checkpoint is a mid-epoch one like any other: the longer run continues exactly
+    straight = cli_main(["fit", *config, "--trainer.max_steps", "30", "--trainer.default_root_dir", str(tmp_path / "straight")])  # fmt: skip
+    assert resumed is not None and straight is not None
+    for a, b in zip(resumed.model.parameters(), straight.model.parameters(), strict=True):
+        assert torch.equal(a, b)
