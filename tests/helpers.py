@@ -41,6 +41,17 @@ TINY_GPT_ARGS = [
 ]  # fmt: skip
 # A short text of a few characters, for the data modules' tests (tests/unit/data).
 SHORT_TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
+# Lines a newcomer should not meet on a command that does not concern them (issues 21 and 25): other libraries'
+# hints, advertisements and deprecations.
+NOISE = ("DistributedSampler", "LeafSpec", "Tip:", "set_vital", "litlogger", "srun` command is available",
+         "smaller than the logging interval")  # fmt: skip
+
+
+def noise_lines(output: str) -> list[str]:
+    """The lines of ``output`` that hold a :data:`NOISE` phrase."""
+    return [line for line in output.splitlines() if any(n in line for n in NOISE)]
+
+
 # Environment variables of a launcher that a child process must not inherit from the test's own environment.
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 

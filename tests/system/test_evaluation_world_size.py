@@ -26,7 +26,7 @@ TASKS = {
     ],
     "mingpt": [*compose("trainer/ddp", "mingpt/cpu"), *TINY_GPT_ARGS],  # 139 validation windows
 }  # fmt: skip
-NOISE = ("DistributedSampler", "LeafSpec", "Tip:", "set_vital", "callbacks used to create", "train data continues")
+NOISE = (*helpers.NOISE, "callbacks used to create", "train data continues")  # and fit's lines
 VAL_ITEMS = {
     "regression": lambda: RegressionDataModule(num_samples=1000, val_fraction=0.125),
     "mingpt": lambda: CharDataModule(block_size=16, truncate=0.02),

@@ -14,7 +14,7 @@ from lit_ddp.cli import cli_main
 from lit_ddp.data.regression import RegressionDataModule
 from lit_ddp.tensorboard import read_scalars
 from tests.callbacks import KillAtEpochStart
-from tests.helpers import QUIET, Runner, callback, compose, load_records, torchrun, wait
+from tests.helpers import QUIET, Runner, callback, compose, load_records, noise_lines, torchrun, wait
 
 
 def initial_val_loss(configs: list[str], root: Path) -> float:
@@ -71,6 +71,7 @@ def test_ddp_two_processes(tmp_path: Path, runner: Runner, recorder) -> None:
     extra, rec = recorder("cb")
     out = runner.fit(*configs, "--config", str(extra), "--trainer.default_root_dir", str(root), *QUIET, timeout=200)
     assert out.returncode == 0, out.stdout[-5000:]
+    assert not noise_lines(out.stdout), noise_lines(out.stdout)
     r0, r1 = load_records(rec)
     assert r0["world_size"] == r1["world_size"] == 2
     assert {r0["global_rank"], r1["global_rank"]} == {0, 1}
@@ -96,6 +97,7 @@ def test_torchrun_standalone(tmp_path: Path, runner: Runner, recorder) -> None:
                    "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "3", *QUIET)  # fmt: skip
     out = runner.run(cmd, timeout=200)
     assert out.returncode == 0, out.stdout[-5000:]
+    assert not noise_lines(out.stdout), noise_lines(out.stdout)
     records = load_records(rec)
     assert len(records) == 2
     for record in records:
