@@ -15,6 +15,7 @@ import torch
 from jsonargparse import ArgumentParser
 
 from lit_ddp.data.char import decode, encode
+from lit_ddp.resilience.resume import checkpoint_header
 from lit_ddp.tasks.mingpt import GPTModule
 
 DEFAULT_PROMPT = "O God, O God!"
@@ -89,6 +90,12 @@ def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
     if not path.is_file():
         raise FileNotFoundError(f"--ckpt_path {path}: no such file")
     not_gpt = f"--ckpt_path {path} is not a minGPT checkpoint (from lit-ddp fit with GPTModule)"
+    try:  # the task that wrote it, from the header alone: another task's file would fail deep in torch.load
+        saved_class = (checkpoint_header(str(path)).get("hyper_parameters") or {}).get("_class_path")
+    except ValueError:
+        saved_class = None
+    if isinstance(saved_class, str) and saved_class.rsplit(".", 1)[-1] != GPTModule.__name__:
+        raise ValueError(f"{not_gpt}: it is a checkpoint of {saved_class}")
     try:
         module = GPTModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:

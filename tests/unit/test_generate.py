@@ -68,6 +68,21 @@ def test_generate_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture, ar
     assert message in capsys.readouterr().err
 
 
+def test_generate_names_the_task_of_another_task_s_checkpoint(
+    regression_run: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A checkpoint from `lit-ddp fit` of the regression: one line naming its task, not torch's unpickling advice
+    (issue 25, item 7)."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["generate", "--ckpt_path", str(regression_run / "checkpoints" / "last.ckpt")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert (
+        "is not a minGPT checkpoint" in err and "it is a checkpoint of lit_ddp.tasks.regression.RegressionModule" in err
+    )
+    assert "If you trust" not in err
+
+
 def test_generate_rejects_other_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     other = tmp_path / "regression.ckpt"
     torch.save({"state_dict": {"net.weight": torch.zeros(1, 20)}, "hyper_parameters": {"num_features": 20}}, other)
