@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.utilities.cloud_io import _is_object_storage
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
@@ -38,6 +39,23 @@ def should_update_logs(trainer: Trainer) -> bool:
     """Whether the logger writes this step (``trainer.log_every_n_steps``, or the last step): Lightning's own
     decision, which callbacks that time or sync only logged steps must follow exactly."""
     return bool(trainer._logger_connector.should_update_logs)
+
+
+def pending_train_step_log(trainer: Trainer) -> tuple[int, dict[str, float]] | None:
+    """``(step, metrics)`` of the point Lightning will log for the current training batch, asked during
+    ``on_train_batch_end`` (Lightning logs it after that hook, ``update_train_step_metrics``); None when it logs
+    nothing for this batch. Collective where the metrics are ``sync_dist``: every rank must ask."""
+    connector = trainer._logger_connector
+    if should_accumulate(trainer) or connector._first_loop_iter is None or not connector.should_update_logs:
+        return None
+    metrics = convert_tensors_to_scalars(dict(connector.metrics["log"]))
+    if not metrics:
+        return None
+    step = metrics.pop("step", None)
+    if step is None:  # as LoggerConnector.log_metrics adds it
+        metrics.setdefault("epoch", trainer.current_epoch)
+        step = batches_that_stepped(trainer)
+    return int(step), {k: float(v) for k, v in metrics.items()}
 
 
 def batches_that_stepped(trainer: Trainer) -> int:

@@ -64,6 +64,14 @@ def read_scalars(run_dir: str | Path, tag: str) -> list[tuple[int, float]]:
     return sorted((e.step, e.value) for e in acc.Scalars(tag))
 
 
+def tags_logged_at(run_dir: str | Path, step: int, tags: list[str]) -> set[str]:
+    """Which of the scalar ``tags`` have a point at ``step`` in ``run_dir`` (after TensorBoard's purges)."""
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    known = set(acc.Tags().get("scalars", []))
+    return {tag for tag in tags if tag in known and any(e.step == step for e in acc.Scalars(tag))}
+
+
 def scalar_tags(run_dir: str | Path) -> list[str]:
     """The scalar tags logged in ``run_dir``."""
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})

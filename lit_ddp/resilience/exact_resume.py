@@ -32,6 +32,7 @@ from lit_ddp.resilience.resume_report import (
     training_settings,
     warn_restored_settings,
 )
+from lit_ddp.tensorboard import tags_logged_at
 
 CHECKPOINT_KEY = "exact_resume"
 
@@ -84,6 +85,8 @@ class ExactResume(Callback):
         self._log_step_after_epoch_end: int | None = None
         self._configured_settings: dict[str, Any] | None = None
         self._train_started = False
+        self._in_train_batch = False  # between a batch's start and the logging of its point
+        self._pending_log: tuple[int, dict[str, float]] | None = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         local = {
@@ -95,15 +98,22 @@ class ExactResume(Callback):
             dist.all_gather_object(per_rank, local)
         else:
             per_rank = [local]
+        # A save in on_train_batch_end comes before Lightning logs that batch's point: a kill in between, or before
+        # the event file is flushed, would lose it, and the resumed run starts at the next batch. It goes into the
+        # checkpoint, and the resumed run logs it again.
+        pending = compat.pending_train_step_log(trainer) if self._in_train_batch else None
         checkpoint[CHECKPOINT_KEY] = {
             "world_size": len(per_rank),
             "global_batch": global_batch(trainer),
             "per_rank": per_rank,
+            "pending_log": pending,
         }
         # What was logged up to this checkpoint reaches the disk with it (TensorBoard flushes every 2 minutes): a
         # kill after a validation-end save lost that validation's points, which the resumed run does not log again.
         for logger in trainer.loggers:
-            logger.save()
+            logger.save()  # TensorBoardLogger's writes hparams.yaml only: its event file is flushed apart
+            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+                logger.experiment.flush()
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn != "fit":  # validate / test: no train loader, no training randomness to restore
@@ -131,6 +141,7 @@ class ExactResume(Callback):
             self._loader_states = mine["train_loaders"]
             self._saved_global_batch = state.get("global_batch")
         self._purge_pending = self.purge_tensorboard and trainer.is_global_zero
+        self._pending_log = state.get("pending_log")
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning skips the training loop, and on_train_start, when the restored run is at its end already.
@@ -186,9 +197,20 @@ class ExactResume(Callback):
         if self._log_step_after_epoch_end is not None:
             compat.set_batches_that_stepped(trainer, self._log_step_after_epoch_end)
             self._log_step_after_epoch_end = None
+        self._in_train_batch = True
         if self._purge_pending:  # the step the first point of the resumed run is logged at, known only now
-            _purge_tensorboard_from(trainer, compat.batches_that_stepped(trainer))
+            step, pending = compat.batches_that_stepped(trainer), self._pending_log
+            _purge_tensorboard_from(trainer, step)
+            if pending is not None and pending[0] < step:  # the checkpoint's own batch (see on_save_checkpoint)
+                _log_missing_points(trainer, pending[0], pending[1])
             self._purge_pending = False
+            self._pending_log = None
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._in_train_batch = False  # the training batch's point is logged by now
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._in_train_batch = False
 
 
 def global_batch(trainer: Trainer) -> int | None:
@@ -285,3 +307,14 @@ def _purge_tensorboard_from(trainer: Trainer, step: int) -> None:
             Event(step=step, session_log=SessionLog(status=SessionLog.START))
         )
         writer.flush()
+
+
+def _log_missing_points(trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    """Logs each of ``metrics`` at ``step`` in every TensorBoard log that lacks it (the killed run may or may not
+    have written it before it died)."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            missing = set(metrics) - tags_logged_at(logger.log_dir, step, list(metrics))
+            if missing:
+                logger.log_metrics({k: metrics[k] for k in sorted(missing)}, step=step)
+                logger.experiment.flush()
