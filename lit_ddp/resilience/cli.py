@@ -13,7 +13,6 @@ every rank (:func:`lit_ddp.resilience.resume.agree_on_resume_checkpoint`).
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,7 @@ def default_run_directory(config_files: list[Any] | None, model_class_path: str 
     its own (``configs/mingpt/cpu.yaml``: ``runs/mingpt/cpu``); without a config file, ``runs/<model class>``;
     without either, ``runs/default``. The same command finds its run again, and two configs never resume each
     other's checkpoints (one shared ``runs/default`` did)."""
-    paths = [Path(os.fspath(str(f))) for f in config_files or []]
+    paths = [Path(str(f)) for f in config_files or []]
     if paths:
         steps = [p for p in paths if _names_a_model(p)]
         step = (steps or paths)[-1]
@@ -103,7 +102,6 @@ class ResilientCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._derived_root: str | None = None
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a restart rewrites config.yaml
         # A NaN/inf loss stops training with a message naming the step; the last good checkpoint is kept.
         # A preemption signal saves, requeues (Slurm) and stops at an agreed optimizer step, on every rank.
@@ -131,7 +129,7 @@ class ResilientCLI(LightningCLI):
                 root = default_run_directory(config.get("config"), config_value(config.get("model"), "class_path"))
                 config.trainer.default_root_dir = root
                 config.checkpoint.dirpath = checkpoint_dir(root)
-                self._derived_root = root
+                rank_zero_info(f"Run directory: {root} (trainer.default_root_dir is not set)")
             check_ckpt_path(config.get("ckpt_path"))
             check_ckpt_matches_config(config.get("ckpt_path"), config.get("model"))
 
@@ -142,8 +140,6 @@ class ResilientCLI(LightningCLI):
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
         run_preflight(config.get("trainer"))
-        if self._derived_root is not None:
-            rank_zero_info(f"Run directory: {self._derived_root} (trainer.default_root_dir is not set)")
         if self.subcommand == "fit":  # one live job per run directory (rank zero holds it until it exits)
             hold_run_directory(str(config.trainer.default_root_dir))
 

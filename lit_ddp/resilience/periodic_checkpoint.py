@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lit_ddp import compat
 from lit_ddp.resilience.deferred import DeferredFlag
@@ -93,7 +94,8 @@ class PeriodicCheckpoint(ModelCheckpoint):
         trigger. After the last batch, or after the validation due at that step, or at the last epoch's end; not
         in ``on_train_end``: by then Lightning has counted the epoch as complete, and a longer run resumed from
         there would skip the rest of it."""
-        if self.save_last is True and compat.last_saved_step(self) != trainer.global_step:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.save_last is True and compat.last_saved_step(self) != trainer.global_step:
             compat.save_last_checkpoint(self, trainer)
 
     def _save_by_triggers(

@@ -298,7 +298,8 @@ def set_aside_later_checkpoints(root_dir: str, checkpoint_dir: str, given: str) 
 def warn_changed_hyperparameters(path: str, configured: dict[str, Any]) -> list[str]:
     """Warns, key by key, where the config's model hyperparameters differ from those the checkpoint was written
     with: the model is built from the config, while a resume restores the optimizer and LR scheduler states, which
-    keep the checkpoint's rates and schedule (:func:`lit_ddp.resilience.resume_report.warn_restored_settings` names them). Returns the keys.
+    keep the checkpoint's rates and schedule (:func:`lit_ddp.resilience.resume_report.warn_restored_settings`
+    names them). Returns the keys.
     """
     saved = checkpoint_header(path).get("hyper_parameters") or {}
     changed = [
