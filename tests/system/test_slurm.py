@@ -168,11 +168,12 @@ def test_elastic_sbatch_survives_a_killed_worker(cluster, tmp_path: Path) -> Non
 @pytest.mark.slurm
 @pytest.mark.multiprocess
 def test_sbatch_trains_mingpt(cluster, tmp_path: Path) -> None:
-    """The same sbatch script runs the other task: minGPT with configs/mingpt/slurm.yaml, a few steps, on the
-    packaged Tiny Shakespeare."""
+    """The same sbatch script runs the other task: the README's minGPT row (cpu.yaml, then slurm.yaml), a few
+    steps, on the packaged Tiny Shakespeare."""
     out = tmp_path / "job.out"
     cb, record_dir = callbacks_yaml(tmp_path)
-    args = ["configs/mingpt/slurm.yaml", "--config", str(cb), "--trainer.default_root_dir", str(tmp_path / "run")]
+    args = ["configs/mingpt/cpu.yaml", "--config", "configs/mingpt/slurm.yaml", "--config", str(cb)]
+    args += ["--trainer.default_root_dir", str(tmp_path / "run")]
     args += ["--data.init_args.truncate", "0.1"]
     args += ["--trainer.max_steps", "5", "--trainer.limit_val_batches", "2", *QUIET]
     job = None

@@ -27,7 +27,7 @@ TASKS = {
     # steps too (the third run resumed at step 1048).
     "regression": ["configs/regression/slurm.yaml", *FT, "--trainer.max_epochs", "500", *QUIET],
     "mingpt": [
-        "configs/mingpt/slurm.yaml", *FT, *TINY_GPT_ARGS,
+        "configs/mingpt/cpu.yaml", "--config", "configs/mingpt/slurm.yaml", *FT, *TINY_GPT_ARGS,
         "--trainer.max_epochs", "-1", "--trainer.max_steps", "5000", "--trainer.val_check_interval", "500",
         "--trainer.limit_val_batches", "4",
     ],
