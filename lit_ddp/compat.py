@@ -21,7 +21,8 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 # ---- the training loop's position
@@ -127,6 +128,26 @@ def after_lightning_signal_handlers(trainer: Trainer, install: Callable[[], None
         install()
 
     connector.register_signal_handlers = register_then_install  # an instance attribute over the method
+
+
+def show_resumed_epoch(trainer: Trainer, batch_idx: int) -> None:
+    """Give the progress bar of an epoch resumed mid-way its epoch, total and ETA, starting at ``batch_idx``.
+
+    Lightning >= 2.5 skips ``on_train_epoch_start`` when it resumes mid-epoch, and that hook is where
+    ``TQDMProgressBar`` sets the epoch's total and description, so the resumed epoch shows ``Training: | 160/?``
+    without an ETA (Lightning-AI/pytorch-lightning#20603; fix proposed in #21806). Call it at the resumed
+    epoch's first batch; it does nothing where the hook ran (the bar has a total) or another bar is used. The
+    bar starts at ``batch_idx``, so its rate and ETA count this run's batches only.
+    """
+    callback = trainer.progress_bar_callback
+    if not isinstance(callback, TQDMProgressBar) or callback.is_disabled:
+        return
+    bar = callback.train_progress_bar
+    if bar.total is not None:
+        return
+    bar.reset(total=convert_inf(callback.total_train_batches))
+    bar.initial = bar.n = batch_idx
+    bar.set_description(f"Epoch {trainer.current_epoch}")
 
 
 # ---- train loader state per rank (Lightning restores rank zero's on every rank)

@@ -87,6 +87,7 @@ class ExactResume(Callback):
         self._train_started = False
         self._in_train_batch = False  # between a batch's start and the logging of its point
         self._pending_log: tuple[int, dict[str, float]] | None = None
+        self._resumed_mid_epoch = False
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         local = {
@@ -183,6 +184,7 @@ class ExactResume(Callback):
             if saved is not None and saved != now and len(self._loader_states) == 1:
                 count_the_epoch_in_samples(trainer, self._loader_states, saved)
         self._loader_states = None
+        self._resumed_mid_epoch = fit_loop.restarted_mid_epoch
         # After a checkpoint from on_train_epoch_end the next epoch's first batch logs where the saved epoch's last
         # left off (Lightning adds one to it, or not, depending on where validation ran).
         self._log_step_after_epoch_end = (
@@ -198,6 +200,9 @@ class ExactResume(Callback):
             compat.set_batches_that_stepped(trainer, self._log_step_after_epoch_end)
             self._log_step_after_epoch_end = None
         self._in_train_batch = True
+        if self._resumed_mid_epoch:  # Lightning skipped on_train_epoch_start, where the progress bar is set up
+            compat.show_resumed_epoch(trainer, batch_idx)
+            self._resumed_mid_epoch = False
         if self._purge_pending:  # the step the first point of the resumed run is logged at, known only now
             step, pending = compat.batches_that_stepped(trainer), self._pending_log
             _purge_tensorboard_from(trainer, step)

@@ -164,3 +164,36 @@ def test_lightning_counts_an_epoch_end_twice_on_restart(tmp_path, by: str, undo:
     fit(2, counts, *([Undo()] if undo else []), ckpt_path=path)
     expected = {("steps", False): (1, 2, 9), ("steps", True): (1, 1, 9)}.get((by, undo), (1, 1, 8))
     assert counts.seen == [expected]
+
+
+@pytest.mark.parametrize("mended", [False, True])
+def test_lightning_leaves_a_mid_epoch_resume_without_a_progress_bar_total(tmp_path, mended: bool) -> None:
+    """Resumed after batch 3 of 8: Lightning skips on_train_epoch_start, so TQDMProgressBar's bar has no total and
+    its first description (``Training``); ``compat.show_resumed_epoch`` gives it the epoch's total, ``Epoch 0``
+    and a start at the resumed batch. When the plain resume shows a total, Lightning has fixed #20603: delete
+    the workaround."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_ddp.data.regression import RegressionDataModule
+    from lit_ddp.tasks.regression import RegressionModule
+
+    class Bar(Callback):
+        seen: tuple | None = None
+
+        def on_train_batch_start(self, trainer: Trainer, pl_module, batch, batch_idx: int) -> None:
+            if mended and self.seen is None:
+                compat.show_resumed_epoch(trainer, batch_idx)
+
+        def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+            bar = trainer.progress_bar_callback.train_progress_bar
+            self.seen = self.seen or (bar.total, bar.desc, bar.initial, batch_idx)
+
+    def fit(*callbacks: Callback, ckpt_path: str | None = None) -> None:
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, max_epochs=1, enable_model_summary=False,
+                          default_root_dir=tmp_path, callbacks=list(callbacks))  # fmt: skip
+        trainer.fit(RegressionModule(), RegressionDataModule(num_samples=288, batch_size=32), ckpt_path=ckpt_path)
+
+    fit(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1))
+    bar = Bar()
+    fit(bar, ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
+    assert bar.seen == ((8, "Epoch 0: ", 3, 3) if mended else (None, "Training", 0, 3))

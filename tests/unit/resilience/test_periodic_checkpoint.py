@@ -120,7 +120,7 @@ def test_a_run_says_where_it_resumed_saves_its_end_and_knows_when_it_finished(
 ) -> None:
     """max_steps=25 with a checkpoint every 10 steps: last.ckpt holds step 25, not 20 (a re-run retrained steps
     21-25); the same command again says it had finished and trains no step; a longer max_steps says where it
-    resumed (issue 25)."""
+    resumed, and its progress bar keeps the epoch's total (issue 25)."""
     import logging
 
     from lit_ddp.cli import cli_main
@@ -139,8 +139,11 @@ def test_a_run_says_where_it_resumed_saves_its_end_and_knows_when_it_finished(
     assert "Already finished (global_step 25, epoch 0; max_steps=25), nothing to train" in caplog.text
     assert last.stat().st_mtime_ns == saved_at, "a run that trained nothing writes nothing"
     caplog.clear()
-    resumed = cli_main(["fit", *config, "--trainer.max_steps", "30"])
+    resumed = cli_main(["fit", *config, "--trainer.max_steps", "30", "--trainer.enable_progress_bar", "true"])
     assert f"Resumed from {last} at global_step 25, epoch 0" in caplog.text
+    assert resumed is not None
+    bar = resumed.trainer.progress_bar_callback.train_progress_bar  # type: ignore[union-attr]
+    assert (bar.total, bar.desc, bar.initial) == (56, "Epoch 0: ", 25), "the resumed epoch keeps its total and ETA"
     assert checkpoint_step(str(last)) == 30
     # the end's checkpoint is a mid-epoch one like any other: the longer run continues exactly
     straight = cli_main(["fit", *config, "--trainer.max_steps", "30", "--trainer.default_root_dir", str(tmp_path / "straight")])  # fmt: skip
