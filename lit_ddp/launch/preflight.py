@@ -151,14 +151,19 @@ def check_trainer(
     ``--nproc_per_node`` asked for: more of them than cores is the user's choice, not a typo.
 
     Raises:
-        UsageError: more CPU processes than cores (Lightning to start them), or ``16-mixed`` / ``16``
-            precision on CPU.
+        UsageError: a GPU accelerator where torch sees no CUDA GPU, more CPU processes than cores (Lightning to
+            start them), or ``16-mixed`` / ``16`` precision on CPU.
     """
     if trainer is None:
         return
     cpu_count = (os.cpu_count() or 1) if cpu_count is None else cpu_count
     cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
     accelerator = str(config_value(trainer, "accelerator", "auto") or "auto").lower()
+    if accelerator in ("gpu", "cuda") and not cuda_available:
+        raise UsageError(
+            f"trainer.accelerator={accelerator} but torch sees no CUDA GPU on this machine (torch "
+            f"{torch.__version__}): leave out configs/trainer/gpu.yaml, or set trainer.accelerator=cpu"
+        )
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda_available)
     if not on_cpu:
         return

@@ -103,6 +103,9 @@ def test_check_trainer_uses_the_given_machine() -> None:
         check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=4, cuda_available=False)
     with pytest.raises(UsageError, match="bf16-mixed"):
         check_trainer({"accelerator": "auto", "precision": "16-mixed"}, cpu_count=4, cuda_available=False)
+    with pytest.raises(UsageError, match="trainer.accelerator=gpu but torch sees no CUDA GPU.*trainer.accelerator=cpu"):
+        check_trainer({"accelerator": "gpu", "devices": -1}, cpu_count=4, cuda_available=False)
+    check_trainer({"accelerator": "gpu", "devices": -1}, cpu_count=4, cuda_available=True)
     check_trainer({"accelerator": "auto", "devices": 8, "precision": "16-mixed"}, cpu_count=4, cuda_available=True)
     # torchrun started the 8 processes already (its --nproc_per_node): their number is the user's to choose
     torchrun = {"TORCHELASTIC_RUN_ID": "1"}
