@@ -154,10 +154,15 @@ class ResilientCLI(LightningCLI):
         self._start_run(resume=True)
 
     def after_fit(self) -> None:
-        """Rank zero prints the best monitored value (unless the monitor is ``step``, which keeps the newest), its
-        step and file, and the last checkpoint with its step."""
+        """Rank zero prints the last validation's ``val/*`` values, the best monitored value (unless the monitor
+        is ``step``, which keeps the newest), its step and file, and the last checkpoint with its step."""
+        if not self.trainer.is_global_zero:
+            return
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+        if metrics:  # none when the run had nothing left to train
+            print("last validation: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
         ckpt = self.trainer.checkpoint_callback
-        if not self.trainer.is_global_zero or not isinstance(ckpt, ModelCheckpoint):
+        if not isinstance(ckpt, ModelCheckpoint):
             return
         if ckpt.monitor not in (None, "step") and ckpt.best_model_score is not None and ckpt.best_model_path:
             best = ckpt.best_model_path

@@ -116,7 +116,7 @@ def test_no_save_inside_a_gradient_accumulation_window(tmp_path: Path) -> None:
 
 
 def test_a_run_says_where_it_resumed_saves_its_end_and_knows_when_it_finished(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
 ) -> None:
     """max_steps=25 with a checkpoint every 10 steps: last.ckpt holds step 25, not 20 (a re-run retrained steps
     21-25); the same command again says it had finished and trains no step; a longer max_steps says where it
@@ -132,6 +132,9 @@ def test_a_run_says_where_it_resumed_saves_its_end_and_knows_when_it_finished(
     cli_main(["fit", *config, "--trainer.max_steps", "25"])
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert checkpoint_step(str(last)) == 25
+    summary = capsys.readouterr().out
+    assert f"last checkpoint: {last} (global_step 25)" in summary
+    assert "last validation" not in summary, "max_steps ends the run before its first validation"
     saved_at = last.stat().st_mtime_ns
     caplog.clear()
     cli = cli_main(["fit", *config, "--trainer.max_steps", "25"])
