@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,7 +45,7 @@ SHORT_TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
 # Lines a newcomer should not meet on a command that does not concern them (issues 21 and 25): other libraries'
 # hints, advertisements and deprecations.
 NOISE = ("DistributedSampler", "LeafSpec", "Tip:", "set_vital", "litlogger", "srun` command is available",
-         "smaller than the logging interval")  # fmt: skip
+         "smaller than the logging interval", "`weights_only` was not set")  # fmt: skip
 
 
 def noise_lines(output: str) -> list[str]:
@@ -54,6 +55,35 @@ def noise_lines(output: str) -> list[str]:
 
 # Environment variables of a launcher that a child process must not inherit from the test's own environment.
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+
+
+# docs/tutorial.md's table of what each README step prints (tests/system/test_tutorial_page.py checks it).
+TUTORIAL_PAGE = REPO / "docs" / "tutorial.md"
+
+
+def readme_commands() -> dict[str, str]:
+    """The README's step table ("The tutorial, step by step"): the first column (a step's name) -> its command."""
+    section = (REPO / "README.md").read_text().split("## The tutorial, step by step", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| (.+?) \| `([^`]+)`[^|]*\|$", section, re.M))
+
+
+def page_figures() -> tuple[float, dict[str, dict[str, float]]]:
+    """The page's tolerance (relative) and, per README step name measured here, its figures: ``first_step``,
+    ``first_loss``, ``last_step``, ``last_loss``."""
+    text = TUTORIAL_PAGE.read_text()
+    tolerance = float(re.search(r"within (\d+(?:\.\d+)?) ?% \(relative\)", text).group(1)) / 100
+    section = text.split("## What each step prints", 1)[1].split("\n## ", 1)[0]
+    figures: dict[str, dict[str, float]] = {}
+    for row in re.findall(r"^\| (.+)\|$", section, re.M):
+        cells = [c.strip() for c in row.split("|")]
+        first = re.fullmatch(r"step (\d+): ([\d.]+)", cells[1])
+        if first is None:
+            continue  # the header, or a row not measured here
+        last = re.fullmatch(r"step (\d+): ([\d.]+)", cells[2])
+        assert last is not None, f"docs/tutorial.md: {cells[0]!r} gives a first validation but no end"
+        figures[cells[0]] = {"first_step": int(first[1]), "first_loss": float(first[2])}
+        figures[cells[0]] |= {"last_step": int(last[1]), "last_loss": float(last[2])}
+    return tolerance, figures
 
 
 def config(name: str) -> str:

@@ -8,8 +8,10 @@
   ``ValueError`` from torch included, with its traceback first and the one-line summary last. Exit status:
   the error's ``exit_code`` (2 for bad values, 1 otherwise).
 - A rank that only sees its connection to another rank break (gloo "Connection closed by peer", NCCL's
-  remote-process errors) says so in one line instead of a traceback of its own, and exits 1 at once: the
-  rank that failed has printed the cause. No rank waits for the collective timeout.
+  remote-process errors) says so in one line instead of a traceback of its own, and exits 1: the rank that
+  failed has printed the cause, or was killed. Under torchrun it first leaves the agent up to
+  :data:`AGENT_GRACE` seconds to see the dead rank and stop this one, so that torchrun's report names the rank
+  that died (``Signal 9 (SIGKILL)``), not the survivor. No rank waits for the collective timeout.
 - A preemption stop prints one line from rank zero and exits ``128 + signum``.
 
 ``LIT_DDP_DEBUG=1`` lets every exception through unchanged.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import time
@@ -40,6 +43,10 @@ FAILURE_EXIT_CODE = LitDDPError.exit_code
 # instantiated, before any process starts; once training runs, only those raised by lit_ddp's own checks.
 CONFIG_ERRORS = (MisconfigurationException, ValueError, FileNotFoundError, IsADirectoryError)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(lit_ddp.__file__))
+# torchrun reports the failure with the earliest time (in whole seconds; ties go to the lowest local_rank) among
+# the workers found exited at one check (every --monitor-interval, 0.1 s): a survivor exiting in the check that
+# finds a SIGKILLed peer was named as the root cause in its place.
+AGENT_GRACE = 5.0
 _TORCH_DIR = os.path.dirname(os.path.abspath(getattr(importlib.util.find_spec("torch"), "origin", None) or ""))
 PEER_LOST = (
     "Connection closed by peer",
@@ -176,6 +183,9 @@ def _exit_from_rank(e: BaseException) -> NoReturn:
             file=sys.stderr,
             flush=True,
         )
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # let the agent find the dead rank first, then stop this one
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(AGENT_GRACE)
         compat.exit_now(FAILURE_EXIT_CODE)  # nothing left to clean up that would not wait on the dead peer
     if is_explained(e):
         message = _message(e)

@@ -154,7 +154,7 @@ class PreemptionCheckpoint(Callback):
         signals.watch_for_stalls(None)  # every rank is here: the save may take longer than a step
         path = compat.hpc_save_path(trainer)
         rank_zero_info(f"{signal.Signals(signum).name} received: saving {path} at global_step {trainer.global_step}")
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the whole state; None logs a line on every rank
         wait_for_checkpoint_writes(trainer.strategy.checkpoint_io)
         for logger in trainer.loggers:
             logger.save()

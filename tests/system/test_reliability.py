@@ -125,6 +125,7 @@ def test_sigterm_to_torchrun_saves_fails_and_resumes_exactly(
     code = watched.finish(120)
     assert code != 0, watched.output[-3000:]
     assert "stopped by SIGTERM at a step boundary" in watched.output, watched.output[-3000:]
+    assert not helpers.noise_lines(watched.output), helpers.noise_lines(watched.output)
     [hpc] = list(root.glob("hpc_ckpt_*.ckpt"))
     out = runner.run(cmd, 200)
     assert out.returncode == 0, out.stdout[-3000:]
@@ -240,3 +241,30 @@ def test_the_survivor_of_a_hung_peer_exits_soon_after_sigterm(
     watched.finish(60)
     assert took < 10, f"the survivor took {took:.1f} s to exit:\n{watched.output[-3000:]}"
     assert "SIGTERM received and no step finished in 5 s since" in watched.output, watched.output[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_torchrun_names_the_sigkilled_worker_not_its_survivor(
+    tmp_path: Path, runner: helpers.Runner, seed: int
+) -> None:
+    """A random worker SIGKILLed at a random moment of a torchrun job without restarts: the job ends within
+    seconds, and torchrun's "Root Cause" is the killed worker (its pid, ``Signal 9 (SIGKILL)``), not the
+    survivor, which exits 1 on the broken connection (issue 25, item 5)."""
+    rng = random.Random(seed)
+    cmd = torchrun("--standalone", "--nproc_per_node", "2", "-m", "lit_ddp", "fit",
+                   *task_args("regression", tmp_path, 20000), "--trainer.default_root_dir", str(tmp_path / "run"))  # fmt: skip
+    watched = Watched(runner.start(cmd))
+    assert watched.wait_for(STARTED, 1, 120), watched.output[-3000:]
+    time.sleep(rng.uniform(0.2, 3.0))
+    pids = workers(watched.proc)
+    assert len(pids) == 2, pids
+    killed = rng.choice(pids)
+    os.kill(killed, signal.SIGKILL)
+    sent = time.monotonic()
+    assert watched.finish(60) != 0
+    assert time.monotonic() - sent < 20, "the job ends within seconds"
+    assert "Root Cause (first observed failure):" in watched.output, watched.output[-3000:]
+    root_cause = watched.output.split("Root Cause (first observed failure):", 1)[1].split("=====", 1)[0]
+    assert f"pid: {killed})" in root_cause and "Signal 9 (SIGKILL)" in root_cause, root_cause
