@@ -16,7 +16,7 @@ import yaml
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp.cli import cli_main
-from tests.helpers import CONFIGS, REPO
+from tests.helpers import CONFIGS, REPO, page_figures, readme_commands
 
 ALL = sorted(CONFIGS.rglob("*.yaml"))
 BASE = CONFIGS / "regression" / "single_device.yaml"
@@ -178,3 +178,11 @@ def test_step_configs_sample_and_measure_throughput(name: str) -> None:
     assert paths[-1] == "lit_ddp.callbacks.text_samples.TextSampleCallback"  # last: --trainer.callbacks.init_args
     assert any(p.endswith(".TokenThroughputMonitor") for p in paths)
     assert not {"sample_tokens", "sample_prompt", "available_flops"} & set(config["model"].get("init_args") or {})
+
+
+def test_the_tutorial_page_gives_figures_for_every_step_runnable_here() -> None:
+    """docs/tutorial.md's "What each step prints" has a row for each README step but the GPU one, and no other."""
+    _, figures = page_figures()
+    runnable = {name for name, command in readme_commands().items() if "gpu.yaml" not in command}
+    assert runnable - set(figures) == set(), "README steps the page gives no figures for"
+    assert set(figures) - set(readme_commands()) == set(), "page rows that name no README step"
