@@ -145,7 +145,10 @@ def show_resumed_epoch(trainer: Trainer, batch_idx: int) -> None:
     bar = callback.train_progress_bar
     if bar.total is not None:
         return
-    bar.reset(total=convert_inf(callback.total_train_batches))
+    total = callback.total_train_batches  # by max_steps: the steps left, as if the epoch began at this batch
+    if trainer.max_epochs == -1 and trainer.max_steps > 0:
+        total = min(trainer.num_training_batches, batch_idx + total)
+    bar.reset(total=convert_inf(total))
     bar.initial = bar.n = batch_idx
     bar.set_description(f"Epoch {trainer.current_epoch}")
 

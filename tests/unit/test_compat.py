@@ -166,12 +166,14 @@ def test_lightning_counts_an_epoch_end_twice_on_restart(tmp_path, by: str, undo:
     assert counts.seen == [expected]
 
 
+@pytest.mark.parametrize("by", ["epochs", "steps"])
 @pytest.mark.parametrize("mended", [False, True])
-def test_lightning_leaves_a_mid_epoch_resume_without_a_progress_bar_total(tmp_path, mended: bool) -> None:
+def test_lightning_leaves_a_mid_epoch_resume_without_a_progress_bar_total(tmp_path, mended: bool, by: str) -> None:
     """Resumed after batch 3 of 8: Lightning skips on_train_epoch_start, so TQDMProgressBar's bar has no total and
-    its first description (``Training``); ``compat.show_resumed_epoch`` gives it the epoch's total, ``Epoch 0``
-    and a start at the resumed batch. When the plain resume shows a total, Lightning has fixed #20603: delete
-    the workaround."""
+    its first description (``Training``); ``compat.show_resumed_epoch`` gives it the epoch's total (bounded by
+    max_steps=6: 6, where Lightning's own count of steps left, 3, would end the bar at 3/3 before it starts),
+    ``Epoch 0`` and a start at the resumed batch. When the plain resume shows a total, Lightning has fixed
+    #20603: delete the workaround."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lit_ddp.data.regression import RegressionDataModule
@@ -189,11 +191,13 @@ def test_lightning_leaves_a_mid_epoch_resume_without_a_progress_bar_total(tmp_pa
             self.seen = self.seen or (bar.total, bar.desc, bar.initial, batch_idx)
 
     def fit(*callbacks: Callback, ckpt_path: str | None = None) -> None:
-        trainer = Trainer(accelerator="cpu", devices=1, logger=False, max_epochs=1, enable_model_summary=False,
+        bounds = {"max_epochs": 1} if by == "epochs" else {"max_epochs": -1, "max_steps": 6}
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_model_summary=False, **bounds,
                           default_root_dir=tmp_path, callbacks=list(callbacks))  # fmt: skip
         trainer.fit(RegressionModule(), RegressionDataModule(num_samples=288, batch_size=32), ckpt_path=ckpt_path)
 
     fit(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1))
     bar = Bar()
     fit(bar, ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
-    assert bar.seen == ((8, "Epoch 0: ", 3, 3) if mended else (None, "Training", 0, 3))
+    total = 8 if by == "epochs" else 6
+    assert bar.seen == ((total, "Epoch 0: ", 3, 3) if mended else (None, "Training", 0, 3))
