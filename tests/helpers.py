@@ -45,7 +45,7 @@ SHORT_TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
 # Lines a newcomer should not meet on a command that does not concern them (issues 21 and 25): other libraries'
 # hints, advertisements and deprecations.
 NOISE = ("DistributedSampler", "LeafSpec", "Tip:", "set_vital", "litlogger", "srun` command is available",
-         "smaller than the logging interval", "`weights_only` was not set")  # fmt: skip
+         "smaller than the logging interval", "`weights_only` was not set", "exists and is not empty")  # fmt: skip
 
 
 def noise_lines(output: str) -> list[str]:

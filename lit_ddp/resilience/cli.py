@@ -191,6 +191,8 @@ class ResilientCLI(LightningCLI):
             init_process_group_on_shared_store(*compat.process_group_settings(strategy))
         if not resume:  # an evaluation restores the weights only: the fit callbacks' states do not concern it
             warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
+        else:  # a fit resumes from the run directory's checkpoints: that they exist is the design, not a mistake
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         config = self.config_init[self.subcommand]
         root, given = self.trainer.default_root_dir, config.get("ckpt_path")
         if given in ("last", "best", "hpc", "registry"):

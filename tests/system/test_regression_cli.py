@@ -150,6 +150,7 @@ def test_rerun_resumes_without_repeating_an_epoch(tmp_path: Path, runner: Runner
     second = runner.fit(*args, "--config", str(record_only), timeout=120)  # the same command, no resume flag
     assert second.returncode == 0, second.stdout[-3000:]
     assert "Restoring states from the checkpoint path at" in second.stdout
+    assert not noise_lines(second.stdout), noise_lines(second.stdout)
     [record] = load_records(rec)
     assert sorted(record["epochs"]) == [2, 3, 4], "resumed at epoch 2, no epoch repeated"
     assert record["global_step"] == 5 * 56
