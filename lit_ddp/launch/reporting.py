@@ -9,7 +9,7 @@
   the error's ``exit_code`` (2 for bad values, 1 otherwise).
 - A rank that only sees its connection to another rank break (gloo "Connection closed by peer", NCCL's
   remote-process errors) says so in one line instead of a traceback of its own, and exits 1: the rank that
-  failed has printed the cause, or was killed. Under torchrun it first leaves the agent up to
+  failed has printed the cause, or was killed. Under a single torchrun agent it first leaves the agent up to
   :data:`AGENT_GRACE` seconds to see the dead rank and stop this one, so that torchrun's report names the rank
   that died (``Signal 9 (SIGKILL)``), not the survivor. No rank waits for the collective timeout.
 - A preemption stop prints one line from rank zero and exits ``128 + signum``.
@@ -45,7 +45,10 @@ CONFIG_ERRORS = (MisconfigurationException, ValueError, FileNotFoundError, IsADi
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(lit_ddp.__file__))
 # torchrun reports the failure with the earliest time (in whole seconds; ties go to the lowest local_rank) among
 # the workers found exited at one check (every --monitor-interval, 0.1 s): a survivor exiting in the check that
-# finds a SIGKILLed peer was named as the root cause in its place.
+# finds a SIGKILLed peer was named as the root cause in its place. Only a single agent waits: with several, the
+# dead rank may be another node's, which this agent never sees, and an agent whose workers stay alive restarts
+# them for the other node's new round without counting a restart (torch's SimpleElasticAgent._invoke_run), so
+# the agents' TORCHELASTIC_RESTART_COUNT, the store prefix of lit_ddp.resilience.elastic, would differ.
 AGENT_GRACE = 5.0
 _TORCH_DIR = os.path.dirname(os.path.abspath(getattr(importlib.util.find_spec("torch"), "origin", None) or ""))
 PEER_LOST = (
@@ -183,7 +186,7 @@ def _exit_from_rank(e: BaseException) -> NoReturn:
             file=sys.stderr,
             flush=True,
         )
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # let the agent find the dead rank first, then stop this one
+        if os.environ.get("GROUP_WORLD_SIZE") == "1":  # one torchrun agent: let it find the dead rank first
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(AGENT_GRACE)
         compat.exit_now(FAILURE_EXIT_CODE)  # nothing left to clean up that would not wait on the dead peer
