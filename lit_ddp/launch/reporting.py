@@ -1,7 +1,8 @@
 """How a failure reaches the user: once, from the rank it happened on, with its cause in the last lines.
 
 - Before any process starts (parsing, :mod:`lit_ddp.launch.preflight`, instantiation), a mistake is the same on every
-  rank: one ``lit-ddp: error: ...`` line from rank zero, exit status 2.
+  rank: one ``lit-ddp: error: ...`` line, from rank zero (under torchrun, from another rank if it is seconds
+  ahead), exit status 2.
 - Once ``fit`` runs, the rank that raised prints its own message, tagged with its rank and host: a
   :class:`~lit_ddp.launch.errors.LitDDPError` (a non-finite loss, an unreadable resume point) or a bad value
   that lit_ddp's own checks found (a data file too short for ``block_size``) as one line; anything else, a
@@ -50,6 +51,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(lit_ddp.__file__))
 # them for the other node's new round without counting a restart (torch's SimpleElasticAgent._invoke_run), so
 # the agents' TORCHELASTIC_RESTART_COUNT, the store prefix of lit_ddp.resilience.elastic, would differ.
 AGENT_GRACE = 5.0
+ERROR_GRACE = 3.0  # seconds a rank other than zero leaves rank zero to report an error every rank meets
 _TORCH_DIR = os.path.dirname(os.path.abspath(getattr(importlib.util.find_spec("torch"), "origin", None) or ""))
 PEER_LOST = (
     "Connection closed by peer",
@@ -138,11 +140,18 @@ def _message(e: BaseException) -> str:
 
 
 def _exit_once(e: BaseException, code: int) -> NoReturn:
-    """Before launch every rank has the same error: rank zero prints it."""
-    if _rank() == 0:
-        print(f"lit-ddp: error: {_message(e)}", file=sys.stderr)
-        print("(set LIT_DDP_DEBUG=1 for the full traceback)", file=sys.stderr)
-        sys.stderr.flush()
+    """Before launch every rank meets the same error: rank zero prints it at once. Under torchrun another rank
+    first waits :data:`ERROR_GRACE` seconds, in which torchrun stops it once rank zero has exited, and prints it
+    itself when rank zero is slower (stuck, or still importing): a rank exiting first in silence would have
+    torchrun stop the group before rank zero printed anything. Under srun the other ranks stay silent (a bare
+    ``srun`` does not stop them when rank zero exits: they would print it again)."""
+    if _rank() != 0:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise SystemExit(code)
+        time.sleep(ERROR_GRACE)
+    print(f"lit-ddp: error: {_message(e)}", file=sys.stderr)
+    print("(set LIT_DDP_DEBUG=1 for the full traceback)", file=sys.stderr)
+    sys.stderr.flush()
     raise SystemExit(code)
 
 

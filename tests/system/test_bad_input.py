@@ -152,3 +152,58 @@ def test_generate_errors(tmp_path: Path, fit, runner: Runner) -> None:
     assert out.returncode != 0 and "not a minGPT checkpoint" in out.stdout, out.stdout[-2000:]
     out = runner.run(lit_ddp("generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "-1"), timeout=60)
     assert out.returncode == 2 and "--max_new_tokens=-1" in out.stdout, out.stdout[-2000:]
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether ``pid`` has a SIGTERM waiting (``/proc/PID/status``), e.g. sent while it was stopped."""
+    import signal
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # gone: nothing left to wait for
+    pending = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in pending)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_an_error_every_rank_meets_is_printed_when_rank_zero_is_slow(tmp_path: Path, runner: Runner, seed: int) -> None:
+    """torchrun, 2 workers, a bad value every rank rejects (batch_size 0), rank zero frozen (SIGSTOP) at a random
+    moment of its start: rank 1 fails first and prints the cause, once; torchrun stops the group (issue 22). A
+    rank exiting first in silence used to have torchrun stop rank zero before it printed: no message at all."""
+    import contextlib
+    import os
+    import random
+    import signal
+    import time
+
+    from tests.helpers import torchrun
+    from tests.system.test_reliability import Watched, workers
+
+    rng = random.Random(seed)
+    cmd = torchrun("--standalone", "--nproc_per_node", "2", "-m", "lit_ddp", "fit",
+                   *compose("trainer/ddp", "regression/torchrun"), "--data.init_args.batch_size", "0",
+                   "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET)  # fmt: skip
+    watched = Watched(runner.start(cmd))
+    deadline = time.monotonic() + 60
+    while len(pids := workers(watched.proc)) < 2:
+        assert time.monotonic() < deadline and watched.proc.poll() is None, "torchrun started no 2 workers"
+        time.sleep(0.02)
+    environ = {pid: Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in pids}
+    [rank0] = [pid for pid, env in environ.items() if b"RANK=0" in env]
+    time.sleep(rng.uniform(0.0, 1.0))  # lightning imports take seconds: rank zero is frozen before its error
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        printed = watched.wait_for("lit-ddp: error:", 1, 60)
+        while (
+            printed and time.monotonic() < deadline + 60 and not sigterm_pending(rank0)
+        ):  # torchrun stopping the group
+            time.sleep(0.02)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank0, signal.SIGCONT)  # the pending SIGTERM ends it before it runs on
+    assert watched.finish(60) != 0
+    errors = [line for line in watched.lines if line.startswith("lit-ddp: error:")]
+    assert printed and len(errors) == 1 and "batch_size=0" in errors[0], watched.output[-3000:]
