@@ -7,6 +7,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
 
 def config_value(config: Any, key: str, default: Any = None) -> Any:
     """``config[key]`` of a dict or a Namespace, else ``default``."""
@@ -39,8 +41,8 @@ def devices_per_node(devices: Any) -> int | None:
 
 def follow_torchrun(trainer: Any, env: Mapping[str, str] | None = None) -> str | None:
     """Under torchrun, sets ``trainer.devices`` to the processes torchrun started on this node
-    (``LOCAL_WORLD_SIZE``, its ``--nproc_per_node``) and ``trainer.num_nodes`` to ``WORLD_SIZE //
-    LOCAL_WORLD_SIZE`` where the config says otherwise: the launcher decides the layout, as ``slurm/*.sbatch``
+    (``LOCAL_WORLD_SIZE``, its ``--nproc_per_node``) and ``trainer.num_nodes`` to the number of agents
+    (``GROUP_WORLD_SIZE``, its ``--nnodes``) where the config says otherwise: the launcher decides the layout, as ``slurm/*.sbatch``
     pass Slurm's. A run started with ``--nproc_per_node 2`` therefore resumes under ``--nproc_per_node 1``
     with the same command (Lightning alone would raise that ``devices * num_nodes`` is not the world size).
 
@@ -60,7 +62,7 @@ def follow_torchrun(trainer: Any, env: Mapping[str, str] | None = None) -> str |
     if devices_per_node(devices) != local:  # "auto" and -1 count here: only torchrun knows
         changes.append(f"trainer.devices={devices} -> {local}")
         _set(trainer, "devices", local)
-    nodes = max(1, world // local)
+    nodes = leading_int(env.get("GROUP_WORLD_SIZE")) or max(1, world // local)  # agents: one per node
     if int(config_value(trainer, "num_nodes", 1) or 1) != nodes:
         changes.append(f"trainer.num_nodes={config_value(trainer, 'num_nodes', 1)} -> {nodes}")
         _set(trainer, "num_nodes", nodes)
@@ -74,3 +76,28 @@ def _set(config: Any, key: str, value: Any) -> None:
         config[key] = value
     else:
         setattr(config, key, value)
+
+
+class TorchrunEnvironment(TorchElasticEnvironment):
+    """Lightning's environment for torchrun, also for nodes that run different numbers of processes.
+
+    torchrun gives every worker its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``, which Lightning's
+    :class:`TorchElasticEnvironment` reads; but it also demands ``devices * num_nodes == WORLD_SIZE``, true only
+    when every node runs as many processes. torchrun itself allows ``--nproc_per_node 2`` on one node and ``1`` on
+    another (one job of 3, as the multinode tutorial runs 4 + 2 GPUs). Here ``devices`` must be this node's
+    process count (``LOCAL_WORLD_SIZE``) and ``num_nodes`` the number of agents (``GROUP_WORLD_SIZE``), which
+    :func:`follow_torchrun` sets. Ranks, shards and the gradient average come from the process group.
+
+    Raises:
+        ValueError: from :meth:`validate_settings`, when ``devices`` or ``num_nodes`` is not torchrun's.
+    """
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        local = leading_int(os.environ.get("LOCAL_WORLD_SIZE")) or num_devices
+        nodes = leading_int(os.environ.get("GROUP_WORLD_SIZE")) or num_nodes
+        if (num_devices, num_nodes) != (local, nodes):
+            raise ValueError(
+                f"trainer.devices={num_devices} and trainer.num_nodes={num_nodes}, but torchrun started {local} "
+                f"process(es) on this node and {nodes} node(s): use --trainer.devices {local} --trainer.num_nodes "
+                f"{nodes}, or leave both to torchrun"
+            )

@@ -13,19 +13,21 @@ every rank (:func:`lit_ddp.resilience.resume.agree_on_resume_checkpoint`).
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import yaml
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp import compat
-from lit_ddp.launch.environment import config_value, follow_torchrun
+from lit_ddp.launch.environment import TorchrunEnvironment, config_value, follow_torchrun
 from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, run_preflight
 from lit_ddp.launch.reporting import mark_running
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
@@ -147,7 +149,10 @@ class ResilientCLI(LightningCLI):
         trainer_config = self._get(self.config_init, "trainer", default={})
         plugins = _as_list(trainer_config.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
-            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+            plugins = [*plugins, AtomicCheckpointIO()]
+        if "TORCHELASTIC_RUN_ID" in os.environ and not any(isinstance(p, ClusterEnvironment) for p in plugins):
+            plugins = [*plugins, TorchrunEnvironment()]  # nodes may run different numbers of processes
+        kwargs["plugins"] = plugins
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:

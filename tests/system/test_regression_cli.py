@@ -158,3 +158,69 @@ def test_rerun_resumes_without_repeating_an_epoch(tmp_path: Path, runner: Runner
     assert last["epoch"] == 4 and last["global_step"] == 5 * 56
     # One continuous TensorBoard log: one val/loss point per epoch, none duplicated.
     assert [s for s, _ in read_scalars(root, "val/loss")] == [56 * e - 1 for e in range(1, 6)]
+
+
+# 2304 samples: 2016 training samples, 21 global batches of 3 x 32 an epoch, none short.
+HETERO = [*compose("trainer/ddp", "checkpoint/fault_tolerant", "regression/multinode"), "--data.num_samples", "2304",
+          "--trainer.max_epochs", "8", "--checkpoint.every_n_epochs", "0", "--checkpoint.every_n_train_steps", "10",
+          *QUIET]  # fmt: skip
+
+
+def heterogeneous_job(runner: Runner, root: Path, restarts: int) -> list:
+    """Two torchrun agents on this machine, ``--nproc_per_node`` 2 and 1, joined as one job of 3."""
+    port = find_free_network_port()
+    agents = []
+    for node_rank, nproc in ((0, 2), (1, 1)):
+        cmd = torchrun("--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", str(nproc),
+                       "--max-restarts", str(restarts), "--rdzv_id", f"het{port}", "--rdzv_backend", "c10d",
+                       "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", "join_timeout=120",
+                       "-m", "lit_ddp", "fit", *HETERO, "--trainer.default_root_dir", str(root))  # fmt: skip
+        agents.append(runner.start(cmd))
+    return agents
+
+
+def final_weights(root: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    last = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
+    return last["global_step"], last["state_dict"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_nodes_with_different_process_counts_train_as_one_job(tmp_path: Path, runner: Runner, seed: int) -> None:
+    """torchrun with --nproc_per_node 2 on one "node" and 1 on the other (issue 22): one job of world size 3 that
+    ends where one process with batch 3 x 32 does (float rounding); its 1-process node's worker SIGKILLed at a
+    random moment, both agents restart the group and the job ends bit-identical to the uninterrupted one."""
+    import os
+    import random
+    import signal
+    import time
+
+    from tests.system.test_reliability import Watched, workers
+
+    one = [*HETERO, "--trainer.devices", "1", "--trainer.num_nodes", "1", "--data.init_args.batch_size", "96"]
+    single = runner.fit(*one, "--trainer.strategy", "auto", "--trainer.default_root_dir", str(tmp_path / "one"), timeout=200)  # fmt: skip
+    assert single.returncode == 0, single.stdout[-3000:]
+    for out in [wait(a, 200) for a in heterogeneous_job(runner, tmp_path / "het", restarts=0)]:
+        assert out.returncode == 0, out.stdout[-5000:]
+        assert "Starting with 3 processes" in out.stdout or "GLOBAL_RANK: 2, MEMBER: 3/3" in out.stdout
+    (step, het), (one_step, ref) = final_weights(tmp_path / "het"), final_weights(tmp_path / "one")
+    assert step == one_step == 8 * 21
+    for name, tensor in ref.items():
+        assert torch.allclose(het[name], tensor, rtol=1e-5, atol=1e-7), name
+
+    agents = [Watched(a) for a in heterogeneous_job(runner, tmp_path / "killed", restarts=1)]
+    deadline = time.monotonic() + 120
+    while not any("Starting with 3 processes" in a.output for a in agents):
+        assert time.monotonic() < deadline, agents[0].output[-3000:]
+        time.sleep(0.05)
+    time.sleep(random.Random(seed).uniform(0.2, 1.5))
+    [worker] = workers(agents[1].proc)
+    os.kill(worker, signal.SIGKILL)
+    for agent in agents:
+        assert agent.finish(200) == 0, agent.output[-5000:]
+    assert sum(a.output.count("Starting with 3 processes") for a in agents) == 2, "the group restarted once"
+    killed_step, killed = final_weights(tmp_path / "killed")
+    assert killed_step == step
+    for name, tensor in het.items():
+        assert torch.equal(killed[name], tensor), f"{name} differs from the uninterrupted job"
