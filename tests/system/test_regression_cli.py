@@ -102,7 +102,7 @@ def test_torchrun_standalone(tmp_path: Path, runner: Runner, recorder) -> None:
     assert len(records) == 2
     for record in records:
         assert record["world_size"] == 2
-        assert record["cluster_environment"] == "TorchElasticEnvironment"
+        assert record["cluster_environment"] == "TorchrunEnvironment"
         assert record["global_step"] == 3 * 28
     assert len(read_scalars(root, "val/loss")) == 3
 
@@ -128,7 +128,7 @@ def test_multinode_two_agents(tmp_path: Path, runner: Runner, recorder) -> None:
     records = load_records(rec)
     assert len(records) == 2
     assert [r["world_size"] for r in records] == [2, 2]
-    assert all(r["cluster_environment"] == "TorchElasticEnvironment" for r in records)
+    assert all(r["cluster_environment"] == "TorchrunEnvironment" for r in records)
     assert torch.equal(records[0]["params"]["net.weight"], records[1]["params"]["net.weight"])
 
 

@@ -76,6 +76,17 @@ def workers(proc: subprocess.Popen) -> list[int]:
     return found
 
 
+def random_worker(watched: Watched, rng: random.Random, after: tuple[float, float]) -> tuple[int, int]:
+    """Waits for the 2-process group to form and then a random ``after`` seconds; returns a random worker of
+    torchrun's and the other one."""
+    assert watched.wait_for(STARTED, 1, 120), watched.output[-3000:]
+    time.sleep(rng.uniform(*after))
+    pids = workers(watched.proc)
+    assert len(pids) == 2, pids
+    chosen = rng.choice(pids)
+    return chosen, next(p for p in pids if p != chosen)
+
+
 def torchrun_cmd(*args: str) -> list[str]:
     # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarts must work without it (lit_ddp.resilience.elastic).
     return torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
@@ -223,12 +234,7 @@ def test_the_survivor_of_a_hung_peer_exits_soon_after_sigterm(
     rng = random.Random(seed)
     cmd = torchrun_cmd(*task_args("regression", tmp_path, 20000), "--trainer.default_root_dir", str(tmp_path / "run"))
     watched = Watched(runner.start(cmd))
-    assert watched.wait_for(STARTED, 1, 120), watched.output[-3000:]
-    time.sleep(rng.uniform(0.5, 2.0))
-    pids = workers(watched.proc)
-    assert len(pids) == 2, pids
-    hung = rng.choice(pids)
-    [survivor] = [p for p in pids if p != hung]
+    hung, survivor = random_worker(watched, rng, (0.5, 2.0))
     os.kill(hung, signal.SIGSTOP)
     time.sleep(rng.uniform(0.5, 2.0))  # the survivor is inside a collective by now
     assert not gone(survivor)
@@ -256,11 +262,7 @@ def test_torchrun_names_the_sigkilled_worker_not_its_survivor(
     cmd = torchrun("--standalone", "--nproc_per_node", "2", "-m", "lit_ddp", "fit",
                    *task_args("regression", tmp_path, 20000), "--trainer.default_root_dir", str(tmp_path / "run"))  # fmt: skip
     watched = Watched(runner.start(cmd))
-    assert watched.wait_for(STARTED, 1, 120), watched.output[-3000:]
-    time.sleep(rng.uniform(0.2, 3.0))
-    pids = workers(watched.proc)
-    assert len(pids) == 2, pids
-    killed = rng.choice(pids)
+    killed, _ = random_worker(watched, rng, (0.2, 3.0))
     os.kill(killed, signal.SIGKILL)
     sent = time.monotonic()
     assert watched.finish(60) != 0

@@ -158,7 +158,7 @@ def test_elastic_sbatch_survives_a_killed_worker(cluster, tmp_path: Path) -> Non
     runs = starts(record_dir)
     for rank in (0, 1):
         first, second = runs[f"start_r0_t0_rank{rank}"], runs[f"start_r0_t1_rank{rank}"]
-        assert first["global_step"] == 0 and first["cluster_environment"] == "TorchElasticEnvironment"
+        assert first["global_step"] == 0 and first["cluster_environment"] == "TorchrunEnvironment"
         assert second["global_step"] == STEPS_PER_EPOCH, "restarted workers resume from epoch 1's checkpoint"
         assert second["world_size"] == 2
     record = torch.load(record_dir / "rank0.pt", weights_only=False)
