@@ -202,6 +202,26 @@ def test_sbatch_train_on_two_nodes(two_nodes, tmp_path: Path) -> None:
     assert world_sizes(log) == {"2"}, log[-5000:]
 
 
+@pytest.mark.timeout(300)
+def test_sbatch_nodes_with_different_task_counts(two_nodes, tmp_path: Path) -> None:
+    """``sbatch --nodes 2 --ntasks 3``: Slurm places 2 + 1 tasks, and train.sbatch trains them as one job of 3
+    (Lightning's SLURMEnvironment takes ranks and world size from Slurm), 19 steps an epoch of 3 x 32 (issue 22)."""
+    out = tmp_path / "job.out"
+    args = [SLURM_CONFIG, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET]
+    job = None
+    try:
+        opts = ["-J", unique("mn-het"), "-o", str(out), "--nodes", "2", "--ntasks", "3", "--time", "5"]
+        job = sbatch("slurm/train.sbatch", args, opts)
+        info = wait_job_done(job, timeout=240, output=out)
+    finally:
+        cancel(job)
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info["NumNodes"] == "2", log[-5000:]
+    assert world_sizes(log) == {"3"}, log[-5000:]
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 19  # 1,792 training samples in global batches of 96
+
+
 def workers_on(job_id: str, node: str) -> list[int]:
     """The pids of job ``job_id``'s training processes that torchrun started on Slurm node ``node`` (all
     nodes of the local cluster share one host: told apart by the environment Slurm gave each task)."""
