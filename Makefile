@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= configs/trainer/ddp.yaml configs/mingpt/cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed clean
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench: venv
 # time, DDP scaling, MFU (about 20 minutes; README "Speed").
 bench-speed: venv
 	$(BIN)/python -m bench.speed $(BENCH_ARGS)
+
+# Seconds from a killed or hung worker to the first optimizer step after torchrun's restart (about 2 minutes).
+bench-recovery: venv
+	$(BIN)/python -m bench.recovery $(BENCH_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,164 @@
+"""Time to recover from a fault under torchrun: from the fault to the first optimizer step after it.
+
+    python -m bench.recovery [--faults kill hang] [--timeout 30]      (make bench-recovery)
+
+Runs the README's fault-tolerant regression step (``torchrun --standalone --nproc_per_node 2 --max-restarts 1``,
+``configs/checkpoint/fault_tolerant.yaml``: a checkpoint every 50 steps) and, 3-6 s (drawn at random) after
+training began, injects one fault from outside into a random worker:
+
+- ``kill``: SIGKILL (a crash, an out-of-memory kill). The other worker's collective fails at once, torchrun
+  sees the dead worker and restarts the group.
+- ``hang``: SIGSTOP (a stuck collective, a frozen host). The other worker waits in its collective for the
+  DDP strategy's timeout (``--timeout`` seconds; ``configs/trainer/ddp.yaml`` says 5 minutes), then fails;
+  torchrun stops the group (SIGTERM, and SIGKILL after its 30 s shutdown grace, since a stopped process cannot
+  act on SIGTERM) and restarts it.
+
+Every worker appends the wall time of each optimizer step to a file (:class:`StepClock`). Printed per fault,
+in seconds: fault to the first step of the restarted group, split into fault to the restarted workers' start
+(detection, timeout, shutdown) and their start to their first step (imports, process group, resume); and the
+steps repeated (done before the fault, after the checkpoint the group resumed from). Written for this
+question alone: no library measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = [
+    "configs/trainer/ddp.yaml",
+    "configs/checkpoint/fault_tolerant.yaml",
+    "configs/regression/fault_tolerant.yaml",
+]
+
+
+def process_started_at() -> float:
+    """This process's creation time, wall-clock seconds since the epoch (from ``/proc``, Linux; +-1 s: the boot time
+    is in whole seconds)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    since_boot = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+    boot = next(
+        float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+    )
+    return boot + since_boot
+
+
+class StepClock(Callback):
+    """Appends ``"start <time> <pid>"`` (the process's creation) at fit start and ``"<time> <global_step> <pid>"``
+    after every optimizer step to ``<directory>/rank<RANK>.txt`` (wall-clock seconds since the epoch)."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = Path(directory) / f"rank{os.environ.get('RANK', '0')}.txt"
+
+    def _write(self, line: str) -> None:
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._write(f"start {process_started_at()} {os.getpid()}")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._write(f"{time.time()} {trainer.global_step} {os.getpid()}")
+
+
+def read_clock(directory: Path) -> tuple[list[tuple[float, int]], list[tuple[float, int, int]]]:
+    """(process starts as (time, pid), steps as (time, global_step, pid)) of every rank so far."""
+    starts, steps = [], []
+    for path in directory.glob("rank*.txt"):
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if fields[0] == "start" and len(fields) == 3:
+                starts.append((float(fields[1]), int(fields[2])))
+            elif len(fields) == 3:
+                steps.append((float(fields[0]), int(fields[1]), int(fields[2])))
+    return starts, steps
+
+
+def workers(agent: subprocess.Popen) -> list[int]:
+    """The pids of the torchrun agent's worker processes."""
+    out = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def measure(fault: str, timeout_s: int, rng: random.Random, work: Path) -> dict[str, float]:
+    clock = work / "clock"
+    clock.mkdir(parents=True)
+    extra = work / "clock.yaml"
+    callback = {"class_path": "bench.recovery.StepClock", "init_args": {"directory": str(clock)}}
+    extra.write_text(yaml.safe_dump({"trainer": {"callbacks+": [callback]}}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", "1", "-m", "lit_ddp", "fit", *(a for c in CONFIGS for a in ("--config", c)),
+           "--config", str(extra), "--trainer.default_root_dir", str(work / "run"), "--trainer.max_epochs", "-1",
+           "--trainer.max_steps", "10000000", "--trainer.strategy.init_args.timeout", f"0:00:{timeout_s:02d}",
+           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]  # fmt: skip
+    agent = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        while not read_clock(clock)[1]:
+            if agent.poll() is not None:
+                raise RuntimeError(f"the job ended before training ({agent.returncode}): {' '.join(cmd)}")
+            time.sleep(0.05)
+        time.sleep(rng.uniform(3.0, 6.0))
+        victim = rng.choice(workers(agent))
+        faulted_at = time.time()
+        os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        before = {pid for _, pid in read_clock(clock)[0]}
+        deadline = time.monotonic() + timeout_s + 180
+        while True:
+            starts, steps = read_clock(clock)
+            after = [s for s in steps if s[2] not in before]
+            if after:
+                break
+            if time.monotonic() > deadline or agent.poll() is not None:
+                raise RuntimeError(f"no step after the {fault} (job status {agent.poll()})")
+            time.sleep(0.05)
+        restarted = min(t for t, pid in starts if pid not in before)
+        first = min(after)
+        done = max(step for t, step, pid in steps if pid in before and t <= faulted_at)
+        return {
+            "recovery": first[0] - faulted_at,
+            "to_restart": restarted - faulted_at,
+            "start_to_step": first[0] - restarted,
+            "repeated": done - (first[1] - 1),
+        }
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", str(work / "run")], check=False)  # workers: sessions of their own
+        agent.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", nargs="+", choices=["kill", "hang"], default=["kill", "hang"])
+    parser.add_argument("--timeout", type=int, default=30, help="the DDP collective timeout, seconds (< 60)")
+    parser.add_argument("--seed", type=int, default=None, help="replays the fault moments (printed)")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    print(f"seed {seed}; torchrun --standalone --nproc_per_node 2, regression, collective timeout {args.timeout} s")
+    rng = random.Random(seed)
+    print(f"{'fault':6s} {'recovery s':>11s} {'fault->restart s':>17s} {'start->step s':>14s} {'steps repeated':>15s}")
+    for fault in args.faults:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = measure(fault, args.timeout, rng, Path(tmp))
+        print(
+            f"{fault:6s} {r['recovery']:11.1f} {r['to_restart']:17.1f} {r['start_to_step']:14.1f} {r['repeated']:15.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
