@@ -185,18 +185,23 @@ def test_srun_two_nodes_world_size_2(two_nodes, tmp_path: Path) -> None:
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
 
 
-@pytest.mark.timeout(300)
-def test_sbatch_train_on_two_nodes(two_nodes, tmp_path: Path) -> None:
+def train_one_epoch(tmp_path: Path, name: str, *layout: str) -> tuple[dict[str, str], str]:
+    """slurm/train.sbatch with the regression's Slurm step for one epoch, the allocation given as sbatch options
+    ``layout``, into ``tmp_path/run``: (Slurm's final job record, the job's output)."""
     out = tmp_path / "job.out"
     args = [SLURM_CONFIG, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET]
     job = None
     try:
-        opts = ["-J", unique("mn-sbatch"), "-o", str(out), "--nodes", "2", "--ntasks-per-node", "1", "--time", "5"]
-        job = sbatch("slurm/train.sbatch", args, opts)
+        job = sbatch("slurm/train.sbatch", args, ["-J", unique(name), "-o", str(out), *layout, "--time", "5"])
         info = wait_job_done(job, timeout=240, output=out)
     finally:
         cancel(job)
-    log = out.read_text()
+    return info, out.read_text()
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_train_on_two_nodes(two_nodes, tmp_path: Path) -> None:
+    info, log = train_one_epoch(tmp_path, "mn-sbatch", "--nodes", "2", "--ntasks-per-node", "1")
     assert_two_nodes_one_task_each(info, log)
     assert "nodes=2 ntasks-per-node=1" in log and "`Trainer.fit` stopped: `max_epochs=1` reached." in log
     assert world_sizes(log) == {"2"}, log[-5000:]
@@ -206,16 +211,7 @@ def test_sbatch_train_on_two_nodes(two_nodes, tmp_path: Path) -> None:
 def test_sbatch_nodes_with_different_task_counts(two_nodes, tmp_path: Path) -> None:
     """``sbatch --nodes 2 --ntasks 3``: Slurm places 2 + 1 tasks, and train.sbatch trains them as one job of 3
     (Lightning's SLURMEnvironment takes ranks and world size from Slurm), 19 steps an epoch of 3 x 32 (issue 22)."""
-    out = tmp_path / "job.out"
-    args = [SLURM_CONFIG, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET]
-    job = None
-    try:
-        opts = ["-J", unique("mn-het"), "-o", str(out), "--nodes", "2", "--ntasks", "3", "--time", "5"]
-        job = sbatch("slurm/train.sbatch", args, opts)
-        info = wait_job_done(job, timeout=240, output=out)
-    finally:
-        cancel(job)
-    log = out.read_text()
+    info, log = train_one_epoch(tmp_path, "mn-het", "--nodes", "2", "--ntasks", "3")
     assert info["JobState"] == "COMPLETED" and info["NumNodes"] == "2", log[-5000:]
     assert world_sizes(log) == {"3"}, log[-5000:]
     last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
