@@ -104,8 +104,9 @@ def measure(fault: str, timeout_s: int, rng: random.Random, work: Path) -> dict[
            "--config", str(extra), "--trainer.default_root_dir", str(work / "run"), "--trainer.max_epochs", "-1",
            "--trainer.max_steps", "10000000", "--trainer.strategy.init_args.timeout", f"0:00:{timeout_s:02d}",
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]  # fmt: skip
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # as the README's command
     agent = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
         while not read_clock(clock)[1]:

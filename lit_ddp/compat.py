@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -253,11 +252,6 @@ def is_object_storage(fs: Any) -> bool:
 
 
 # ---- process groups
-
-
-def process_group_settings(strategy: Any) -> tuple[str, timedelta]:
-    """The backend and timeout a DDP strategy will create its process group with."""
-    return strategy._get_process_group_backend(), strategy._timeout
 
 
 def default_store() -> Any:

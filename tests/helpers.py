@@ -126,9 +126,11 @@ def lit_ddp(*args: str) -> list[str]:
     return [sys.executable, "-m", "lit_ddp", *args]
 
 
-def torchrun(*args: str) -> list[str]:
-    """The command line of ``torchrun ARGS`` (``python -m torch.distributed.run``) with this interpreter."""
-    return [sys.executable, "-m", "torch.distributed.run", *args]
+def torchrun(*args: str, shared_store: bool = False) -> list[str]:
+    """The command line of ``torchrun ARGS`` (``python -m torch.distributed.run``) with this interpreter, with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as the README runs it (``shared_store``: torch's default instead)."""
+    opt_out = [] if shared_store else ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+    return [*opt_out, sys.executable, "-m", "torch.distributed.run", *args]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

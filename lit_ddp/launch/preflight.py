@@ -17,6 +17,8 @@ nothing already saved is touched and no process is left waiting for a peer (:fun
   - ``python`` without ``srun`` in a batch script asking for several tasks: Slurm is detected, one process
     starts, and it waits forever for the others.
   - a config with the ``SLURMEnvironment`` plugin under ``torchrun``: the plugin overrides torchrun's ranks.
+  - ``torchrun --max-restarts N`` (N > 0) without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch >= 2.5 shares
+    the agent's store with the workers, and a restart reuses it (pytorch/pytorch#135712).
 - the trainer against this machine (:func:`check_trainer`): more CPU processes than cores, fp16 on CPU;
 - a user-set ``MASTER_PORT`` that is busy (:func:`check_master_port`);
 - an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`).
@@ -82,6 +84,19 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
                 "would take the ranks from Slurm instead of torchrun. Under torchrun use a config without that "
                 "plugin (e.g. configs/regression/torchrun.yaml, or pass --trainer.plugins null); for Slurm's "
                 "requeue launch python directly: slurm/train.sbatch."
+            )
+        restarts = leading_int(env.get("TORCHELASTIC_MAX_RESTARTS")) or 0
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts > 0:
+            # Why not a per-restart key prefix in the shared store: the workers cannot agree on one. Each agent
+            # counts its own restarts and does not count one for a node re-joining (torch's agent api.py), so
+            # two nodes' TORCHELASTIC_RESTART_COUNT differ after a hung worker. The opt-out gives every
+            # rendezvous round a fresh store.
+            raise UsageError(
+                f"torchrun may restart this job (--max-restarts {restarts}) but shares its rendezvous store with "
+                "the workers: a restarted group would read the stopped group's keys and hang or fail to connect "
+                "(pytorch/pytorch#135712). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+                "environment (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...`; slurm/train_elastic.sbatch "
+                "sets it), or with --max-restarts 0."
             )
         return  # TorchElasticEnvironment: torchrun's --nproc_per_node / --nnodes decide
 

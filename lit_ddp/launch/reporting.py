@@ -48,8 +48,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(lit_ddp.__file__))
 # the workers found exited at one check (every --monitor-interval, 0.1 s): a survivor exiting in the check that
 # finds a SIGKILLed peer was named as the root cause in its place. Only a single agent waits: with several, the
 # dead rank may be another node's, which this agent never sees, and an agent whose workers stay alive restarts
-# them for the other node's new round without counting a restart (torch's SimpleElasticAgent._invoke_run), so
-# the agents' TORCHELASTIC_RESTART_COUNT, the store prefix of lit_ddp.resilience.elastic, would differ.
+# them for the other node's new round without counting a restart (torch's SimpleElasticAgent._invoke_run).
 AGENT_GRACE = 5.0
 ERROR_GRACE = 3.0  # seconds a rank other than zero leaves rank zero to report an error every rank meets
 _TORCH_DIR = os.path.dirname(os.path.abspath(getattr(importlib.util.find_spec("torch"), "origin", None) or ""))

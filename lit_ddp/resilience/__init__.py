@@ -7,8 +7,7 @@
 - :mod:`~lit_ddp.resilience.periodic_checkpoint`: checkpoints every N steps and/or T seconds;
 - :mod:`~lit_ddp.resilience.finite_loss`: a NaN stops every rank before it reaches a checkpoint;
 - :mod:`~lit_ddp.resilience.preemption`, :mod:`~lit_ddp.resilience.signals`,
-  :mod:`~lit_ddp.resilience.deferred`: signals acted on at agreed step boundaries (save, requeue, exit);
-- :mod:`~lit_ddp.resilience.elastic`: torchrun restarts on torchrun's shared store.
+  :mod:`~lit_ddp.resilience.deferred`: signals acted on at agreed step boundaries (save, requeue, exit).
 
 The tutorial code (``models``, ``data``, ``tasks``) imports none of it.
 """

@@ -23,15 +23,12 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_ddp import compat
 from lit_ddp.launch.environment import TorchrunEnvironment, config_value, follow_torchrun
 from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, run_preflight
 from lit_ddp.launch.reporting import mark_running
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
-from lit_ddp.resilience.elastic import init_process_group_on_shared_store
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
@@ -100,7 +97,7 @@ class ResilientCLI(LightningCLI):
     - Before anything is instantiated: the launch, the machine and ``--ckpt_path`` are checked
       (:mod:`lit_ddp.launch.preflight`), and under torchrun the layout follows torchrun.
     - ``fit`` without ``--ckpt_path`` resumes from the newest valid checkpoint of the run directory, the same on
-      every rank; under torchrun the process group lives on torchrun's shared store (:mod:`.elastic`).
+      every rank.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -183,7 +180,7 @@ class ResilientCLI(LightningCLI):
         self._start_run(resume=False)
 
     def _start_run(self, resume: bool) -> None:
-        """Failures reported per rank from here on; the process group on torchrun's shared store; without
+        """Failures reported per rank from here on; without
         ``--ckpt_path``, the run directory's newest valid checkpoint (``fit`` resumes it, ``validate`` / ``test``
         evaluate it; a warning says when there is none), chosen once every rank has joined.
 
@@ -191,9 +188,6 @@ class ResilientCLI(LightningCLI):
         directory's checkpoints of later steps than X's aside (:func:`set_aside_later_checkpoints`); a torchrun
         restart or Slurm requeue of the same job resumes from what it saved since (X while it saved nothing)."""
         mark_running()
-        strategy = self.trainer.strategy
-        if isinstance(strategy, DDPStrategy):  # torchrun's shared store: a prefix per restart (.elastic)
-            init_process_group_on_shared_store(*compat.process_group_settings(strategy))
         if not resume:  # an evaluation restores the weights only: the fit callbacks' states do not concern it
             warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
         else:  # a fit resumes from the run directory's checkpoints: that they exist is the design, not a mistake

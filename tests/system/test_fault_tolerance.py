@@ -24,9 +24,6 @@ from tests.helpers import QUIET, Runner, callback, compose, lit_ddp, load_record
 # its fault-tolerant fragment over cpu.yaml).
 REGRESSION_FT = ("trainer/ddp", "checkpoint/fault_tolerant", "regression/fault_tolerant")
 MINGPT_FT = ("trainer/ddp", "mingpt/cpu", "checkpoint/fault_tolerant", "mingpt/fault_tolerant")
-# torch's c10d rendezvous shares one TCPStore across restarts, and the restarted workers read the killed
-# workers' addresses from it (pytorch/pytorch#135712): gloo then fails to connect. Off, each round has its own.
-TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def regression_args(steps: int, every: int) -> list[str]:
@@ -141,7 +138,7 @@ def run_killing(
 ) -> subprocess.CompletedProcess:
     """Runs ``cmd``; each time a worker pauses (``PauseAtSteps``), SIGKILLs it from here. Returns when
     ``cmd`` ends; every process of its group is killed in any case."""
-    proc = runner.start(cmd, **TORCHRUN_ENV)
+    proc = runner.start(cmd)
     deadline = time.monotonic() + timeout
     for i in range(n_kills):
         paused = state / f"paused_{i}"
@@ -178,7 +175,7 @@ def test_torchrun_restarts_are_exact(
         args, kills, resumed_at = mingpt_args(12, 3, request.getfixturevalue("tiny_text")), [5, 10], 9
     ref_cb, ref_rec = recorder("ref")
     ref_cmd = torchrun_fit(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref"))
-    out = runner.run(ref_cmd, 150, **TORCHRUN_ENV)
+    out = runner.run(ref_cmd, 150)
     assert out.returncode == 0, out.stdout[-3000:]
 
     state = tmp_path / "state"

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from lit_ddp.data.regression import RegressionDataModule
 from lit_ddp.tensorboard import read_scalars
 from tests.callbacks import KillAtEpochStart
 from tests.helpers import QUIET, Runner, callback, compose, load_records, noise_lines, torchrun, wait
+from tests.system.test_reliability import Watched, workers
 
 
 def initial_val_loss(configs: list[str], root: Path) -> float:
@@ -166,15 +171,16 @@ HETERO = [*compose("trainer/ddp", "checkpoint/fault_tolerant", "regression/multi
           *QUIET]  # fmt: skip
 
 
-def heterogeneous_job(runner: Runner, root: Path, restarts: int) -> list:
-    """Two torchrun agents on this machine, ``--nproc_per_node`` 2 and 1, joined as one job of 3."""
+def heterogeneous_job(runner: Runner, root: Path, restarts: int, *extra: str) -> list:
+    """Two torchrun agents on this machine, ``--nproc_per_node`` 2 and 1, joined as one job of 3; ``extra``:
+    lit-ddp overrides."""
     port = find_free_network_port()
     agents = []
     for node_rank, nproc in ((0, 2), (1, 1)):
         cmd = torchrun("--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", str(nproc),
                        "--max-restarts", str(restarts), "--rdzv_id", f"het{port}", "--rdzv_backend", "c10d",
                        "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", "join_timeout=120",
-                       "-m", "lit_ddp", "fit", *HETERO, "--trainer.default_root_dir", str(root))  # fmt: skip
+                       "-m", "lit_ddp", "fit", *HETERO, "--trainer.default_root_dir", str(root), *extra)  # fmt: skip
         agents.append(runner.start(cmd))
     return agents
 
@@ -184,43 +190,57 @@ def final_weights(root: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return last["global_step"], last["state_dict"]
 
 
+def strike_one_node(runner: Runner, root: Path, signum: int, after: tuple[float, float], seed: int, *extra: str):
+    """The heterogeneous job with ``--max-restarts 1``, the 1-process node's worker sent ``signum`` a random time
+    in ``after`` (seconds) after the group formed; waits for both agents to succeed. Returns their outputs."""
+    agents = [Watched(a) for a in heterogeneous_job(runner, root, 1, *extra)]
+    deadline = time.monotonic() + 120
+    while not any("Starting with 3 processes" in a.output for a in agents):
+        assert time.monotonic() < deadline, agents[0].output[-3000:]
+        time.sleep(0.05)
+    time.sleep(random.Random(seed).uniform(*after))
+    [worker] = workers(agents[1].proc)
+    os.kill(worker, signum)
+    for agent in agents:
+        assert agent.finish(200) == 0, "\n=====\n".join(a.output[-5000:] for a in agents)
+    assert sum(a.output.count("Starting with 3 processes") for a in agents) == 2, "the group restarted once"
+    return [a.output for a in agents]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_nodes_with_different_process_counts_train_as_one_job(tmp_path: Path, runner: Runner, seed: int) -> None:
     """torchrun with --nproc_per_node 2 on one "node" and 1 on the other (issue 22): one job of world size 3 that
-    ends where one process with batch 3 x 32 does (float rounding); its 1-process node's worker SIGKILLed at a
-    random moment, both agents restart the group and the job ends bit-identical to the uninterrupted one."""
-    import os
-    import random
-    import signal
-    import time
-
-    from tests.system.test_reliability import Watched, workers
-
+    ends where one process with batch 3 x 32 does (float rounding). Its 1-process node's worker, at a random
+    moment, either SIGKILLed (a crash) or SIGSTOPped (a hung host: the other ranks fail at the 15 s collective
+    timeout; the stopped worker's agent, whose workers never failed, restarts them for the new round without
+    counting a restart): both agents restart the group and the job ends bit-identical to the uninterrupted one."""
     one = [*HETERO, "--trainer.devices", "1", "--trainer.num_nodes", "1", "--data.init_args.batch_size", "96"]
     single = runner.fit(*one, "--trainer.strategy", "auto", "--trainer.default_root_dir", str(tmp_path / "one"), timeout=200)  # fmt: skip
     assert single.returncode == 0, single.stdout[-3000:]
+    started = time.monotonic()
     for out in [wait(a, 200) for a in heterogeneous_job(runner, tmp_path / "het", restarts=0)]:
         assert out.returncode == 0, out.stdout[-5000:]
         assert "Starting with 3 processes" in out.stdout or "GLOBAL_RANK: 2, MEMBER: 3/3" in out.stdout
+    uninterrupted = time.monotonic() - started
     (step, het), (one_step, ref) = final_weights(tmp_path / "het"), final_weights(tmp_path / "one")
     assert step == one_step == 8 * 21
     for name, tensor in ref.items():
         assert torch.allclose(het[name], tensor, rtol=1e-5, atol=1e-7), name
 
-    agents = [Watched(a) for a in heterogeneous_job(runner, tmp_path / "killed", restarts=1)]
-    deadline = time.monotonic() + 120
-    while not any("Starting with 3 processes" in a.output for a in agents):
-        assert time.monotonic() < deadline, agents[0].output[-3000:]
-        time.sleep(0.05)
-    time.sleep(random.Random(seed).uniform(0.2, 1.5))
-    [worker] = workers(agents[1].proc)
-    os.kill(worker, signal.SIGKILL)
-    for agent in agents:
-        assert agent.finish(200) == 0, agent.output[-5000:]
-    assert sum(a.output.count("Starting with 3 processes") for a in agents) == 2, "the group restarted once"
+    strike_one_node(runner, tmp_path / "killed", signal.SIGKILL, (0.2, 1.5), seed)
     killed_step, killed = final_weights(tmp_path / "killed")
     assert killed_step == step
     for name, tensor in het.items():
         assert torch.equal(killed[name], tensor), f"{name} differs from the uninterrupted job"
+
+    started = time.monotonic()
+    strike_one_node(
+        runner, tmp_path / "hung", signal.SIGSTOP, (0.2, 1.5), seed, "--trainer.strategy.init_args.timeout", "0:00:15"
+    )
+    print(f"hung worker: the job took {time.monotonic() - started:.1f} s (uninterrupted: {uninterrupted:.1f} s)")
+    hung_step, hung = final_weights(tmp_path / "hung")
+    assert hung_step == step
+    for name, tensor in het.items():
+        assert torch.equal(hung[name], tensor), f"{name} differs from the uninterrupted job"

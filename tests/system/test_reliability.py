@@ -88,7 +88,6 @@ def random_worker(watched: Watched, rng: random.Random, after: tuple[float, floa
 
 
 def torchrun_cmd(*args: str) -> list[str]:
-    # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarts must work without it (lit_ddp.resilience.elastic).
     return torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "3", "--monitor-interval", "0.2",
                     "-m", "lit_ddp", "fit", *args)  # fmt: skip
 
@@ -270,3 +269,55 @@ def test_torchrun_names_the_sigkilled_worker_not_its_survivor(
     assert "Root Cause (first observed failure):" in watched.output, watched.output[-3000:]
     root_cause = watched.output.split("Root Cause (first observed failure):", 1)[1].split("=====", 1)[0]
     assert f"pid: {killed})" in root_cause and "Signal 9 (SIGKILL)" in root_cause, root_cause
+
+
+RESTARTED_GROUP = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 1 and rank == 1:
+    time.sleep(2)  # rank 0 of the new group looks up rank 1's address first
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
+dist.all_reduce(torch.ones(1))
+if attempt == 0:
+    if rank == 1:
+        os._exit(1)  # a crash: torchrun restarts the group
+    time.sleep(60)
+print(f"rank {rank} of the restarted group: all_reduce done", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_torch_shared_store_still_breaks_restarts(tmp_path: Path, runner: helpers.Runner) -> None:
+    """Why lit-ddp refuses ``torchrun --max-restarts N`` without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    (pytorch/pytorch#135712, closed upstream): on torch's shared store a restarted group of plain torch
+    (no Lightning, no lit_ddp) reads the crashed group's gloo addresses and fails or hangs; with the opt-out it
+    forms. When the first half fails, torch has fixed it: drop the check in ``lit_ddp.launch.preflight``.
+    Then lit-ddp's refusal: one ``lit-ddp: error:`` line per attempt naming the variable, before any training."""
+    script = tmp_path / "restarted_group.py"
+    script.write_text(RESTARTED_GROUP)
+    done = "of the restarted group: all_reduce done"
+    for shared in (True, False):
+        proc = runner.start(torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+                                     "--monitor-interval", "0.2", str(script), shared_store=shared))  # fmt: skip
+        try:
+            out = helpers.wait(proc, 60).stdout
+        except AssertionError as hung:  # wait()'s timeout: the group never formed
+            out = str(hung)
+        if shared:
+            assert out.count(done) < 2, f"the restarted group formed on the shared store: #135712 fixed?\n{out}"
+        else:
+            assert out.count(done) == 2, out[-5000:]
+    start = time.monotonic()
+    proc = runner.start(torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "lit_ddp",
+                                 "fit", *compose("trainer/ddp", "regression/torchrun"), *QUIET,
+                                 "--trainer.default_root_dir", str(tmp_path / "run"), shared_store=True))  # fmt: skip
+    result = helpers.wait(proc, 120)
+    errors = [line for line in result.stdout.splitlines() if line.startswith("lit-ddp: error:")]
+    # once per attempt: torchrun restarts a worker that exited with status 2 like any other
+    assert result.returncode != 0 and len(errors) == 2 and len(set(errors)) == 1, result.stdout[-5000:]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun" in errors[0] and "--max-restarts 1" in errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    print(f"refused in {time.monotonic() - start:.1f} s")

@@ -40,6 +40,10 @@ def shortened(name: str) -> bool:
 def run_step(name: str, root: Path, runner: Runner, tmp_path: Path) -> str:
     """Runs the README's command for step ``name`` into run directory ``root``; returns its output."""
     words = shlex.split(readme_commands()[name])
+    env = {}  # the command's leading NAME=VALUE words, as a shell reads them
+    while "=" in words[0] and words[0].split("=")[0].isidentifier():
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
     extra = ["--trainer.default_root_dir", str(root), *QUIET]
     if shortened(name):
         extra += ["--trainer.max_steps", str(FIGURES[name]["first_step"])]
@@ -57,7 +61,7 @@ def run_step(name: str, root: Path, runner: Runner, tmp_path: Path) -> str:
         return out.read_text()
     words = [str(BIN / Path(w).name) if w.startswith(".venv/bin/") else w for w in words]
     if "HEAD_HOST:29500" not in words:
-        result = runner.run([*words, *extra], timeout=400)
+        result = runner.run([*words, *extra], timeout=400, **env)
         assert result.returncode == 0, result.stdout[-5000:]
         return result.stdout
     # multinode.py: the same command on each "node" of this machine, its own --node_rank, node 0 at 127.0.0.1
@@ -65,7 +69,7 @@ def run_step(name: str, root: Path, runner: Runner, tmp_path: Path) -> str:
     agents = []
     for node_rank in ("0", "1"):
         words[words.index("--node_rank") + 1] = node_rank
-        agents.append(runner.start([*words, *extra]))
+        agents.append(runner.start([*words, *extra], **env))
     outputs = [wait(agent, 400) for agent in agents]
     for result in outputs:
         assert result.returncode == 0, result.stdout[-5000:]

@@ -5,14 +5,12 @@ revisit (or delete, when the gap has closed upstream)."""
 from __future__ import annotations
 
 import inspect
-from datetime import timedelta
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torch.utils.tensorboard import SummaryWriter
 
@@ -91,11 +89,6 @@ def test_object_storage_test() -> None:
 
     assert compat.is_object_storage(fsspec.filesystem("s3", anon=True)) is True
     assert compat.is_object_storage(fsspec.filesystem("file")) is False
-
-
-def test_process_group_settings() -> None:
-    strategy = DDPStrategy(timeout=timedelta(minutes=5), process_group_backend="gloo")
-    assert compat.process_group_settings(strategy) == ("gloo", timedelta(minutes=5))
 
 
 def test_default_store_needs_a_group() -> None:

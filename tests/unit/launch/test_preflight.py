@@ -24,6 +24,14 @@ GOOD = {
         {**without(SRUN_2, "SLURM_NTASKS_PER_NODE"), "SLURM_NTASKS": "1", "TORCHELASTIC_RUN_ID": "7"},
         {"devices": 2},
     ),
+    "torchrun restarts, a store per round": (
+        {"TORCHELASTIC_RUN_ID": "7", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "False"},
+        {"devices": 2},
+    ),
+    "torchrun shared store, no restarts": (
+        {"TORCHELASTIC_RUN_ID": "7", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+        {"devices": 2},
+    ),
     "interactive shell, one task": (
         {**SRUN_2, "SLURM_JOB_NAME": "bash", "SLURM_NTASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"},
         {"devices": 2},
@@ -72,6 +80,11 @@ BAD = {
         {"TORCHELASTIC_RUN_ID": "7"},
         {"devices": 2, "plugins": SLURM_PLUGIN},
         r"started by torchrun.*SLURMEnvironment",
+    ),
+    "torchrun restarts on a shared store": (
+        {"TORCHELASTIC_RUN_ID": "7", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+        {"devices": 2},
+        r"--max-restarts 3\) but shares its rendezvous store.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun",
     ),
 }
 
