@@ -1,6 +1,6 @@
 """Time to recover from a fault under torchrun: from the fault to the first optimizer step after it.
 
-    python -m bench.recovery [--faults kill hang] [--timeout 30]      (make bench-recovery)
+    python -m bench.recovery [--faults kill hang node] [--timeout 30]      (make bench-recovery)
 
 Runs the README's fault-tolerant regression step (``torchrun --standalone --nproc_per_node 2 --max-restarts 1``,
 ``configs/checkpoint/fault_tolerant.yaml``: a checkpoint every 50 steps) and, 3-6 s (drawn at random) after
@@ -8,6 +8,12 @@ training began, injects one fault from outside into a random worker:
 
 - ``kill``: SIGKILL (a crash, an out-of-memory kill). The other worker's collective fails at once, torchrun
   sees the dead worker and restarts the group.
+- ``node``: two agents (``--nnodes 1:2 --nproc_per_node 1``, c10d rendezvous on this host), the second one
+  SIGKILLed with its worker (a machine lost). The first agent's worker fails at once (its peer's connection
+  closes); the agent restarts it, and the rendezvous goes on with one node once the lost agent's heartbeat is
+  3 ``keep_alive_interval`` old (``--keep-alive``; torch's default 5 s) and ``last_call_timeout`` has passed
+  (``--last-call``; torch's default 30 s: how long a new round waits for more nodes). The first agent hosts the rendezvous store: its loss ends the job
+  (c10d's store is not replicated).
 - ``hang``: SIGSTOP (a stuck collective, a frozen host). The other worker waits in its collective for the
   DDP strategy's timeout (``--timeout`` seconds; ``configs/trainer/ddp.yaml`` says 5 minutes), then fails;
   torchrun stops the group (SIGTERM, and SIGKILL after its 30 s shutdown grace, since a stopped process cannot
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,30 +100,50 @@ def workers(agent: subprocess.Popen) -> list[int]:
     return [int(pid) for pid in out.split()]
 
 
-def measure(fault: str, timeout_s: int, rng: random.Random, work: Path) -> dict[str, float]:
+def measure(
+    fault: str, timeout_s: int, rng: random.Random, work: Path, last_call: int = 30, keep_alive: int = 5
+) -> dict[str, float]:
     clock = work / "clock"
     clock.mkdir(parents=True)
     extra = work / "clock.yaml"
     callback = {"class_path": "bench.recovery.StepClock", "init_args": {"directory": str(clock)}}
     extra.write_text(yaml.safe_dump({"trainer": {"callbacks+": [callback]}}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    if fault == "node":  # two agents of one process each, the README's multinode row made elastic
+        port = find_free_network_port()
+        launch = ["--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_id", f"bench{port}",
+                  "--rdzv_endpoint", f"127.0.0.1:{port}",
+                  "--rdzv_conf", f"last_call_timeout={last_call},keep_alive_interval={keep_alive}"]  # fmt: skip
+    else:
+        launch = ["--standalone", "--nproc_per_node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch,
            "--max-restarts", "1", "-m", "lit_ddp", "fit", *(a for c in CONFIGS for a in ("--config", c)),
            "--config", str(extra), "--trainer.default_root_dir", str(work / "run"), "--trainer.max_epochs", "-1",
            "--trainer.max_steps", "10000000", "--trainer.strategy.init_args.timeout", f"0:00:{timeout_s:02d}",
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]  # fmt: skip
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # as the README's command
-    agent = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    agents = []
+    for _ in range(2 if fault == "node" else 1):
+        agents.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
+        )
+        time.sleep(2)  # the first agent hosts the rendezvous store: it is not the node that is lost
+    agent = agents[0]
     try:
         while not read_clock(clock)[1]:
-            if agent.poll() is not None:
+            if any(a.poll() is not None for a in agents):
                 raise RuntimeError(f"the job ended before training ({agent.returncode}): {' '.join(cmd)}")
             time.sleep(0.05)
         time.sleep(rng.uniform(3.0, 6.0))
-        victim = rng.choice(workers(agent))
         faulted_at = time.time()
-        os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        if fault == "node":  # the second agent and its worker at once, as when the machine goes
+            lost = workers(agents[1])
+            os.killpg(agents[1].pid, signal.SIGKILL)
+            for pid in lost:
+                os.kill(pid, signal.SIGKILL)
+        else:
+            os.kill(rng.choice(workers(agent)), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         before = {pid for _, pid in read_clock(clock)[0]}
         deadline = time.monotonic() + timeout_s + 180
         while True:
@@ -137,25 +164,32 @@ def measure(fault: str, timeout_s: int, rng: random.Random, work: Path) -> dict[
             "repeated": done - (first[1] - 1),
         }
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
+        for a in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(a.pid, signal.SIGKILL)
         subprocess.run(["pkill", "-9", "-f", str(work / "run")], check=False)  # workers: sessions of their own
-        agent.wait()
+        for a in agents:
+            a.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--faults", nargs="+", choices=["kill", "hang"], default=["kill", "hang"])
+    parser.add_argument("--faults", nargs="+", choices=["kill", "hang", "node"], default=["kill", "hang", "node"])
     parser.add_argument("--timeout", type=int, default=30, help="the DDP collective timeout, seconds (< 60)")
+    parser.add_argument("--last-call", type=int, default=30, help="node: the rendezvous' last_call_timeout, seconds")
+    parser.add_argument("--keep-alive", type=int, default=5, help="node: the rendezvous' keep_alive_interval, s")
     parser.add_argument("--seed", type=int, default=None, help="replays the fault moments (printed)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
-    print(f"seed {seed}; torchrun --standalone --nproc_per_node 2, regression, collective timeout {args.timeout} s")
+    print(
+        f"seed {seed}; regression under torchrun, 2 processes, collective timeout {args.timeout} s; node: "
+        f"last_call_timeout {args.last_call} s, keep_alive_interval {args.keep_alive} s"
+    )
     rng = random.Random(seed)
     print(f"{'fault':6s} {'recovery s':>11s} {'fault->restart s':>17s} {'start->step s':>14s} {'steps repeated':>15s}")
     for fault in args.faults:
         with tempfile.TemporaryDirectory() as tmp:
-            r = measure(fault, args.timeout, rng, Path(tmp))
+            r = measure(fault, args.timeout, rng, Path(tmp), args.last_call, args.keep_alive)
         print(
             f"{fault:6s} {r['recovery']:11.1f} {r['to_restart']:17.1f} {r['start_to_step']:14.1f} {r['repeated']:15.0f}"
         )
