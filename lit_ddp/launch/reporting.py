@@ -82,6 +82,10 @@ def report(fn: Callable[[], Any]) -> Any:
         release_process_group()
         return result
     except Preempted as e:
+        # Keep the status 128 + signum (slurm/train.sbatch requeues on it): once a rank has exited, srun
+        # --kill-on-bad-exit SIGTERMs the others, still on their way out, which would end them with 143.
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to keep
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         release_process_group()
         if _rank() == 0:
             print(f"lit-ddp: {e}", file=sys.stderr, flush=True)

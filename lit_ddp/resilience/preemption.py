@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 MAX_STEPS_BETWEEN_AGREEMENTS = 1000  # an int32 the all-reduce carries; far beyond any useful interval
 
 
+BATCH_REQUEUE = "LIT_DDP_BATCH_REQUEUE"  # "1": the batch script requeues on exit status 128 + signum
+
+
 class PreemptionCheckpoint(Callback):
     """Saves, requeues and stops when SIGUSR1 or SIGTERM arrives, at the next optimizer-step boundary.
 
@@ -46,7 +49,10 @@ class PreemptionCheckpoint(Callback):
        one checkpoint through the normal path (``trainer.save_checkpoint``: atomic, with every rank's
        RNG and loader states) as ``<default_root_dir>/hpc_ckpt_N.ckpt``, Lightning's name for it, and wait
        for an asynchronous write in flight (the checkpoint is on disk before anything else happens);
-    2. under Slurm with ``SLURMEnvironment(auto_requeue=True)`` and its requeue signal, rank zero runs
+    2. under Slurm with ``SLURMEnvironment(auto_requeue=True)`` and its requeue signal, the job is requeued:
+       by the batch script once the step has ended when it says so (``LIT_DDP_BATCH_REQUEUE=1``, as
+       ``slurm/train.sbatch`` does: on the host, after ``srun``, so neither a container without ``scontrol``
+       nor ``srun --kill-on-bad-exit`` ending rank zero's ``scontrol`` can lose it), else by rank zero running
        ``scontrol requeue JOB`` (Lightning's command; it is part of its handler, so not callable alone);
     3. raise :class:`~lit_ddp.launch.errors.Preempted`, which the CLI turns into exit status ``128 + signum`` without a traceback
        (SIGTERM: 143, which torchrun and Slurm read as a failure, so nothing counts the run as finished).
@@ -165,7 +171,7 @@ class PreemptionCheckpoint(Callback):
         env = getattr(trainer.strategy, "cluster_environment", None)
         if isinstance(env, SLURMEnvironment) and env.auto_requeue and signum == env.requeue_signal:
             requeued = True
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and os.environ.get(BATCH_REQUEUE) != "1":
                 requeue_slurm_job()
         signals.clear()
         raise Preempted(signum, path, requeued)

@@ -68,7 +68,7 @@ def slurm_env(**extra: str) -> dict[str, str]:
     """The environment a job inherits (sbatch/srun export it): this venv first on PATH, the repo importable."""
     env = subprocess_env(**extra)
     env["PATH"] = os.pathsep.join([str(VENV_BIN), env.get("PATH", "")])
-    env["LIT_DDP_PYTHON"] = sys.executable
+    env["LIT_DDP_PYTHON"] = extra.get("LIT_DDP_PYTHON", sys.executable)
     env["LIT_DDP_TORCHRUN"] = str(VENV_BIN / "torchrun")
     for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))]:
         del env[key]  # a test run inside a Slurm job must not leak that job's layout

@@ -1,13 +1,17 @@
 """Preemption at moments nobody chose, on the real local Slurm: ``scancel --signal=USR1`` three times in a
 2-task job's life, each after a random delay (during start-up, a step, validation or a save, whatever it
-hits); the job requeues each time and ends bit-identical to an uninterrupted job. Both tasks: the regression
+hits); the job requeues each time and ends bit-identical to an uninterrupted job, also where the controller
+takes 5 s to answer ``scontrol`` and the steps have none (a container). Both tasks: the regression
 as 1 node x 2 tasks, minGPT as 2 nodes x 1 task (``sbatch --nodes 2``, where Slurm records two distinct
 nodes); the four jobs run side by side to keep the suite short."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -38,12 +42,26 @@ LAYOUT = {"regression": ["-N1", "--ntasks-per-node=2"], "mingpt": ["--nodes=2", 
 ENV = {"regression": {}, "mingpt": {"OMP_NUM_THREADS": "1"}}
 
 
-def submit(tmp: Path, task: str, name: str) -> tuple[str, Path, Path, Path]:
+def unkind_cluster(tmp: Path) -> dict[str, str]:
+    """The environment of a job on a cluster less kind than the local one: a controller that takes 5 s to
+    answer ``scontrol`` (first on the batch script's PATH), and steps that run as in a container without
+    Slurm's tools (``LIT_DDP_PYTHON``: this Python with the venv alone on PATH, no ``scontrol``)."""
+    slow = tmp / "slow_controller"
+    slow.mkdir(parents=True)
+    (slow / "scontrol").write_text(f'#!/bin/sh\nsleep 5\nexec {shutil.which("scontrol")} "$@"\n')
+    container = tmp / "container_python"
+    container.write_text(f'#!/bin/sh\nPATH={Path(sys.executable).parent} exec {sys.executable} "$@"\n')
+    for script in (slow / "scontrol", container):
+        script.chmod(0o755)
+    return {"PATH": f"{slow}{os.pathsep}{os.environ['PATH']}", "LIT_DDP_PYTHON": str(container)}
+
+
+def submit(tmp: Path, task: str, name: str, **env: str) -> tuple[str, Path, Path, Path]:
     cb, rec = recorder_config(tmp, name)
     out, root = tmp / f"{name}.out", tmp / name / "run"
     args = [*TASKS[task], "--config", str(cb), "--trainer.default_root_dir", str(root)]
     job = sbatch("slurm/train.sbatch", args, ["-J", f"{name}-{uuid.uuid4().hex[:6]}", "-o", str(out),
-                                              *LAYOUT[task]], **ENV[task])  # fmt: skip
+                                              *LAYOUT[task]], **ENV[task], **env)  # fmt: skip
     return job, out, rec, root
 
 
@@ -78,7 +96,8 @@ def test_random_preemptions_requeue_and_end_exact(tmp_path: Path, seed: int) -> 
     try:
         for task in TASKS:
             for kind in ("ref", "pre"):
-                jobs[f"{task}-{kind}"] = submit(tmp_path, task, f"{task}-{kind}")
+                env = unkind_cluster(tmp_path / f"{task}-{kind}") if kind == "pre" else {}
+                jobs[f"{task}-{kind}"] = submit(tmp_path, task, f"{task}-{kind}", **env)
                 # One launch at a time: the local cluster's slurmd once died launching four jobs in the same
                 # second (its log ends at "Launching batch job"; Slurm 22.05, several slurmd on one host).
                 time.sleep(2)
@@ -105,6 +124,8 @@ def test_random_preemptions_requeue_and_end_exact(tmp_path: Path, seed: int) -> 
         # (Slurm's Restarts above is the record of the requeues: "Requeued Slurm job" may not reach the log.)
         # Each run saved at a step boundary (the requeue may end the tasks before they print anything more).
         assert log.count("SIGUSR1 received: saving") == SIGNALS, log[-5000:]
+        # requeued by the batch script (its scontrol 5 s slow), never by a step (none has scontrol)
+        assert log.count("preempted (SIGUSR1), checkpoint saved: requeueing") == SIGNALS, log[-5000:]
         assert len(list(root.glob("hpc_ckpt_*.ckpt"))) == SIGNALS
         resumed, reference = load_records(rec), load_records(ref_rec)
         assert [r["global_step"] for r in resumed] == [r["global_step"] for r in reference]
