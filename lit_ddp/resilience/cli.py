@@ -14,6 +14,7 @@ every rank (:func:`lit_ddp.resilience.resume.agree_on_resume_checkpoint`).
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ from lit_ddp.resilience.resume import (
 from lit_ddp.resilience.run_lock import hold_run_directory
 
 DEFAULT_ROOT_DIR = "runs/default"
+# A run of its own inside the config's run directory, <root>/<id>, unless --trainer.default_root_dir is given:
+# slurm/train.sbatch sets the job id (an array task's <array job id>_<task id>), which a requeue keeps.
+RUN_ID = "LIT_DDP_RUN_ID"
 
 
 def checkpoint_dir(root_dir: str | None) -> str:
@@ -89,7 +93,8 @@ class ResilientCLI(LightningCLI):
       With no trigger set it saves every epoch (ModelCheckpoint's default); a trigger given alone
       (``--checkpoint.every_n_train_steps 50``) is the only one.
     - Without ``trainer.default_root_dir`` the run directory is named after the config
-      (:func:`default_run_directory`).
+      (:func:`default_run_directory`). With ``LIT_DDP_RUN_ID`` set and no ``--trainer.default_root_dir`` on
+      the command line it is ``<root>/<LIT_DDP_RUN_ID>`` (one per Slurm job: ``slurm/train.sbatch``).
     - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank).
     - Every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint` (``trainer_defaults``), and
       writes every checkpoint
@@ -129,6 +134,14 @@ class ResilientCLI(LightningCLI):
                 config.trainer.default_root_dir = root
                 config.checkpoint.dirpath = checkpoint_dir(root)
                 rank_zero_info(f"Run directory: {root} (trainer.default_root_dir is not set)")
+            run_id = os.environ.get(RUN_ID, "")
+            argv = sys.argv[1:] if args is None else args if isinstance(args, list | tuple) else []
+            given = any(str(a).split("=")[0] == "--trainer.default_root_dir" for a in argv)
+            if run_id and config.get("trainer") is not None and not given:
+                root = os.path.join(str(config.trainer.default_root_dir), run_id)
+                config.trainer.default_root_dir = root
+                config.checkpoint.dirpath = checkpoint_dir(root)
+                rank_zero_info(f"Run directory: {root} ({RUN_ID}={run_id})")
             check_ckpt_path(config.get("ckpt_path"))
             check_ckpt_matches_config(config.get("ckpt_path"), config.get("model"))
 

@@ -185,3 +185,31 @@ def test_sbatch_trains_mingpt(cluster, tmp_path: Path) -> None:
     assert info["JobState"] == "COMPLETED", out.read_text()[-5000:]
     record = torch.load(record_dir / "rank1.pt", weights_only=False)
     assert (record["world_size"], record["cluster_environment"], record["global_step"]) == (2, "SLURMEnvironment", 5)
+
+
+@pytest.mark.slurm
+@pytest.mark.multiprocess
+def test_array_tasks_of_one_config_train_in_their_own_run_directories(cluster, tmp_path: Path) -> None:
+    """A 2-task array job of one config (its trainer.default_root_dir from a config file, as a sweep's): each
+    task trains from step 0 in ``<root>/<array job>_<task>`` (issue 26, item 4); with one shared directory
+    the second would resume the first's checkpoints or be refused by the run-directory lock."""
+    import yaml
+
+    root = tmp_path / "runs"
+    root_config = tmp_path / "root.yaml"
+    root_config.write_text(yaml.safe_dump({"trainer": {"default_root_dir": str(root)}}))
+    args = [CONFIG, "--config", str(root_config), "--trainer.max_epochs", "1", *QUIET]
+    opts = ["-J", unique("array"), "-o", str(tmp_path / "task-%a.out"), "-N1", "--ntasks-per-node=2", "--array", "0-1"]
+    job = None
+    try:
+        job = sbatch("slurm/train.sbatch", args, opts)
+        final = {task: wait_job_done(f"{job}_{task}", 300, tmp_path / f"task-{task}.out") for task in (0, 1)}
+    finally:
+        cancel(job)
+    assert sorted(p.name for p in root.iterdir()) == [f"{job}_0", f"{job}_1"]
+    for task, info in final.items():
+        log = (tmp_path / f"task-{task}.out").read_text()
+        assert info["JobState"] == "COMPLETED", log[-5000:]
+        assert f"Run directory: {root / f'{job}_{task}'}" in log and "Resum" not in log, log[-5000:]
+        last = torch.load(root / f"{job}_{task}" / "checkpoints" / "last.ckpt", weights_only=False)
+        assert last["global_step"] == STEPS_PER_EPOCH

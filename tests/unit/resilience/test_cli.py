@@ -109,3 +109,22 @@ def test_configs_without_a_run_directory_get_their_own(tmp_path: Path, monkeypat
     assert default_run_directory([], "lit_ddp.tasks.mingpt.GPTModule") == "runs/gptmodule"
     assert default_run_directory([], None) == "runs/default"
     assert default_run_directory([Path("step.yaml")], None) == "runs/step"
+
+
+def test_a_run_id_gives_each_job_its_own_run_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LIT_DDP_RUN_ID`` (slurm/train.sbatch: the job id, or an array task's ``<array job>_<task>``) puts a
+    run in ``<config's root>/<id>``; ``--trainer.default_root_dir`` on the command line is taken as given."""
+    import yaml
+
+    config = tmp_path / "root.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"default_root_dir": str(tmp_path / "runs")}}))
+    step = ["--config", str(REPO / "configs/regression/single_device.yaml"), "--config", str(config)]
+    monkeypatch.setenv("LIT_DDP_RUN_ID", "4242_1")
+    trainer = trainer_of(*step)
+    assert trainer.default_root_dir == str(tmp_path / "runs" / "4242_1")
+    assert trainer.checkpoint_callback.dirpath == str(tmp_path / "runs" / "4242_1" / "checkpoints")
+    for given in (
+        ["--trainer.default_root_dir", str(tmp_path / "mine")],
+        [f"--trainer.default_root_dir={tmp_path / 'mine'}"],
+    ):
+        assert trainer_of(*step, *given).default_root_dir == str(tmp_path / "mine")
