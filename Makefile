@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= configs/trainer/ddp.yaml configs/mingpt/cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery clean
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,9 @@ bench-speed: venv
 # Seconds from a killed or hung worker to the first optimizer step after torchrun's restart (about 2 minutes).
 bench-recovery: venv
 	$(BIN)/python -m bench.recovery $(BENCH_ARGS)
+
+bench-save: venv
+	$(BIN)/python -m bench.atomic_save $(BENCH_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
