@@ -189,6 +189,8 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 JobRequeue=1
 KillWait=5
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 CONF
     if [ "$NNODES" = 1 ]; then
       echo "NodeName=${HOST} NodeAddr=127.0.0.1 CPUs=${ncpu} RealMemory=${realmem} State=UNKNOWN"
@@ -200,7 +202,12 @@ CONF
         i=$((i + 1))
       done
     fi
-    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+    # Real preemption (issue 26): a job of partition high preempts a job of partition low where it needs its
+    # resources; Slurm sends the low job SIGTERM, SIGKILL after GraceTime, and requeues it. debug (the
+    # default) is on high's tier: it is never preempted.
+    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=2"
+    echo "PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2"
+    echo "PartitionName=low Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60"
   } >"$BASE/etc/slurm.conf"
   mkdir -p /etc/slurm
   if [ -e /etc/slurm/slurm.conf ] && ! grep -q "$MARK" /etc/slurm/slurm.conf; then

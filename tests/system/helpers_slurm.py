@@ -7,6 +7,7 @@ callbacks (``RecordStart``, ``PauseForSignal``, ``KillAtEpochStart``...) are in 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,3 +131,17 @@ def run_srun(cmd: list[str], timeout: float, job_name: str) -> subprocess.Comple
         return wait(start(cmd, env=slurm_env()), timeout, term_grace=15)
     finally:
         subprocess.run(["scancel", "--name", job_name], capture_output=True, timeout=15, check=False)
+
+
+def jobcomp_records(job_id: str) -> list[dict[str, str]]:
+    """The job's lines in the jobcomp/filetxt log, one per run (a requeued run first, as ``JobState=PENDING``),
+    when the cluster writes one (local_cluster.sh does); empty otherwise."""
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=15)
+    conf = dict(re.findall(r"^(\w+)\s*=\s*(.*?)\s*$", out.stdout, re.M))
+    if conf.get("JobCompType") != "jobcomp/filetxt" or not conf.get("JobCompLoc"):
+        return []
+    try:
+        lines = Path(conf["JobCompLoc"]).read_text().splitlines()
+    except OSError:
+        return []
+    return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in lines if f"JobId={job_id} " in line]

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.helpers import QUIET, REPO
-from tests.system.helpers_slurm import FINAL_STATES, hostnames, in_ci, sbatch, slurm_env
+from tests.system.helpers_slurm import FINAL_STATES, hostnames, in_ci, jobcomp_records, sbatch, slurm_env
 
 SLURM_CONFIG = "configs/regression/slurm.yaml"  # the step config train.sbatch is given
 # srun by hand: what train.sbatch composes (DDPStrategy, SLURMEnvironment), then the step config
@@ -93,15 +93,8 @@ def job_by_name(name: str) -> dict[str, str]:
 
 def jobcomp_record(job_id: str) -> dict[str, str]:
     """The job's line in the jobcomp/filetxt log, when the cluster writes one (local_cluster.sh does)."""
-    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=15)
-    conf = dict(re.findall(r"^(\w+)\s*=\s*(.*?)\s*$", out.stdout, re.M))
-    if conf.get("JobCompType") != "jobcomp/filetxt" or not conf.get("JobCompLoc"):
-        return {}
-    with contextlib.suppress(OSError):
-        for line in Path(conf["JobCompLoc"]).read_text().splitlines():
-            if f"JobId={job_id} " in line:
-                return parse_fields(line)
-    return {}
+    records = jobcomp_records(job_id)
+    return records[0] if records else {}
 
 
 def assert_two_nodes_one_task_each(info: dict[str, str], log: str = "") -> None:
