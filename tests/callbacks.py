@@ -127,6 +127,8 @@ class RecordStart(Callback):
             "torchelastic_restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
             "world_size": trainer.world_size,
             "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+            "num_threads": torch.get_num_threads(),
+            "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK"),
         }
         name = f"start_r{_slurm_restart_count()}_t{record['torchelastic_restart_count'] or 0}"
         _write(self.out_dir, f"{name}_rank{trainer.global_rank}.json", json.dumps(record))

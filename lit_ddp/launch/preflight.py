@@ -19,7 +19,9 @@ nothing already saved is touched and no process is left waiting for a peer (:fun
   - a config with the ``SLURMEnvironment`` plugin under ``torchrun``: the plugin overrides torchrun's ranks.
   - ``torchrun --max-restarts N`` (N > 0) without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch >= 2.5 shares
     the agent's store with the workers, and a restart reuses it (pytorch/pytorch#135712).
-- the trainer against this machine (:func:`check_trainer`): more CPU processes than cores, fp16 on CPU;
+  - a Slurm node whose GPUs (``SLURM_GPUS_ON_NODE``) are not one per task.
+- the trainer against this machine (:func:`check_trainer`): more CPU processes than the cores this process may
+  use (its CPU affinity: a Slurm or container binding), fp16 on CPU;
 - a user-set ``MASTER_PORT`` that is busy (:func:`check_master_port`);
 - an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`).
 """
@@ -146,6 +148,14 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
             f"Lightning needs one task per device. Either launch with --ntasks-per-node={want} or pass "
             f"--trainer.devices {per_node}."
         )
+    gpus = leading_int(env.get("SLURM_GPUS_ON_NODE"))
+    accelerator = str(config_value(trainer, "accelerator", "auto") or "auto").lower()
+    if per_node is not None and gpus and accelerator != "cpu" and gpus != per_node:
+        raise UsageError(
+            f"Slurm gave this node {gpus} GPU(s) (SLURM_GPUS_ON_NODE={gpus}) but runs {per_node} task(s) on it "
+            f"(--ntasks-per-node={per_node}): Lightning runs one task per GPU. Launch with --gres=gpu:{per_node} "
+            f"or --ntasks-per-node={gpus}."
+        )
     num_nodes = int(config_value(trainer, "num_nodes", 1) or 1)
     nnodes = leading_int(env.get("SLURM_STEP_NUM_NODES") if in_step else None) or leading_int(env.get("SLURM_NNODES"))
     if nnodes is not None and nnodes != num_nodes:
@@ -153,6 +163,14 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
             f"The job runs on {nnodes} node(s) (--nodes={nnodes}) but trainer.num_nodes={num_nodes}. Either "
             f"launch with --nodes={num_nodes} or pass --trainer.num_nodes {nnodes}."
         )
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a Slurm or container CPU binding), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def check_trainer(
@@ -171,7 +189,7 @@ def check_trainer(
     """
     if trainer is None:
         return
-    cpu_count = (os.cpu_count() or 1) if cpu_count is None else cpu_count
+    cpu_count = usable_cpus() if cpu_count is None else cpu_count
     cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
     accelerator = str(config_value(trainer, "accelerator", "auto") or "auto").lower()
     if accelerator in ("gpu", "cuda") and not cuda_available:
@@ -188,7 +206,7 @@ def check_trainer(
     launched = "TORCHELASTIC_RUN_ID" in (os.environ if env is None else env)
     if isinstance(devices, int) and devices > cpu_count and not launched:
         raise UsageError(
-            f"trainer.devices={devices} but this machine has {cpu_count} CPU core(s): on CPU each device is one "
+            f"trainer.devices={devices} but this process may use {cpu_count} CPU core(s): on CPU each device is one "
             f"process, so use trainer.devices <= {cpu_count} (or trainer.accelerator=gpu on a GPU machine)"
         )
     precision = str(config_value(trainer, "precision", None))

@@ -213,3 +213,28 @@ def test_array_tasks_of_one_config_train_in_their_own_run_directories(cluster, t
         assert f"Run directory: {root / f'{job}_{task}'}" in log and "Resum" not in log, log[-5000:]
         last = torch.load(root / f"{job}_{task}" / "checkpoints" / "last.ckpt", weights_only=False)
         assert last["global_step"] == STEPS_PER_EPOCH
+
+
+@pytest.mark.slurm
+@pytest.mark.multiprocess
+def test_sbatch_threads_follow_cpus_per_task(cluster, tmp_path: Path) -> None:
+    """``sbatch --cpus-per-task 2``: train.sbatch passes it on to srun (22.05's srun does not take it from the
+    allocation) and each task's torch threads follow it, where Lightning would split this 2-core machine's
+    cores between the node's 2 tasks (1 each; torch caps threads at the cores, so 2 is the most seen here;
+    issue 26, item 5). The local cluster binds no CPUs (task/none): the binding itself is not seen here."""
+    out = tmp_path / "job.out"
+    cb, record_dir = callbacks_yaml(tmp_path)
+    args = [CONFIG, "--config", str(cb), "--trainer.default_root_dir", str(tmp_path / "run")]
+    args += ["--trainer.max_epochs", "1", *QUIET]
+    opts = ["-J", unique("cpus"), "-o", str(out), "-N1", "--ntasks-per-node=2", "--cpus-per-task", "2"]
+    job = None
+    try:
+        job = sbatch("slurm/train.sbatch", args, opts)
+        info = wait_job_done(job, timeout=240, output=out)
+    finally:
+        cancel(job)
+    assert info["JobState"] == "COMPLETED", out.read_text()[-5000:]
+    records = starts(record_dir)
+    assert len(records) == 2, records
+    for record in records.values():
+        assert (record["cpus_per_task"], record["num_threads"]) == ("2", 2), record

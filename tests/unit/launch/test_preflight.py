@@ -32,6 +32,11 @@ GOOD = {
         {"TORCHELASTIC_RUN_ID": "7", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"},
         {"devices": 2},
     ),
+    "srun, one GPU per task": (
+        {**SRUN_2, "SLURM_GPUS_ON_NODE": "2"},
+        {"devices": 2, "accelerator": "gpu", "plugins": SLURM_PLUGIN},
+    ),
+    "srun on CPU, GPUs on the node": ({**SRUN_2, "SLURM_GPUS_ON_NODE": "1"}, {"devices": 2, "accelerator": "cpu"}),
     "interactive shell, one task": (
         {**SRUN_2, "SLURM_JOB_NAME": "bash", "SLURM_NTASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"},
         {"devices": 2},
@@ -81,6 +86,11 @@ BAD = {
         {"devices": 2, "plugins": SLURM_PLUGIN},
         r"started by torchrun.*SLURMEnvironment",
     ),
+    "srun, fewer GPUs than tasks": (
+        {**SRUN_2, "SLURM_GPUS_ON_NODE": "1"},
+        {"devices": 2, "accelerator": "gpu", "plugins": SLURM_PLUGIN},
+        r"gave this node 1 GPU\(s\) .* runs 2 task\(s\).*--gres=gpu:2 or --ntasks-per-node=1",
+    ),
     "torchrun restarts on a shared store": (
         {"TORCHELASTIC_RUN_ID": "7", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"},
         {"devices": 2},
@@ -112,7 +122,7 @@ def test_cli_refuses_slurm_config_outside_slurm(monkeypatch: pytest.MonkeyPatch,
 
 def test_check_trainer_uses_the_given_machine() -> None:
     check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=8, cuda_available=False)
-    with pytest.raises(UsageError, match="trainer.devices=8 but this machine has 4 CPU core"):
+    with pytest.raises(UsageError, match="trainer.devices=8 but this process may use 4 CPU core"):
         check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=4, cuda_available=False)
     with pytest.raises(UsageError, match="bf16-mixed"):
         check_trainer({"accelerator": "auto", "precision": "16-mixed"}, cpu_count=4, cuda_available=False)
@@ -156,3 +166,14 @@ def test_malformed_yaml_names_file_and_line(tmp_path: Path, capsys: pytest.Captu
     bad.write_text("trainer:\n  max_epochs: 3\n  devices: [1\n")
     line = usage_error(capsys, "fit", *compose("trainer/ddp", "regression/ddp"), "--config", str(bad))
     assert f"config {bad} is not valid YAML (line 4" in line
+
+
+def test_the_core_check_counts_the_cpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Slurm or container CPU binding (the process's affinity), not the machine's core count (issue 26)."""
+    from lit_ddp.launch import preflight
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert preflight.usable_cpus() == 2
+    with pytest.raises(UsageError, match=r"trainer.devices=3 but this process may use 2 CPU core\(s\)"):
+        preflight.check_trainer({"devices": 3, "accelerator": "cpu"}, env={})
