@@ -17,8 +17,15 @@ def test_sbatch_scripts_as_the_issue_asks() -> None:
     for line in ("#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
         assert line in train
     # srun python -m lit_ddp fit, the fragments (configs/trainer/*.yaml) composed before CONFIG
-    assert re.search(r"srun .*\"\$PYTHON\" -m lit_ddp fit[\s\\]+(--config \S+\s+)*--config \"\$CONFIG\"", train)
+    assert re.search(
+        r"srun .*\"\$PYTHON\" -m lit_ddp fit[\s\\]+(--(config|trainer\.\w+) \S+[\s\\]+)*--config \"\$CONFIG\"", train
+    )
     assert re.search(r"torchrun.*--nnodes \"\$SLURM_NNODES\" --nproc_per_node \"\$NPROC\"", elastic)
-    assert "--max-restarts" in elastic and "--rdzv_backend c10d" in elastic and ":${RDZV_PORT:-29500}" in elastic
+    assert (
+        "--max-restarts" in elastic
+        and "--rdzv_backend c10d" in elastic
+        and ":${RDZV_PORT}" in elastic
+        and "$((25000 + SLURM_JOB_ID % 5000))" in elastic
+    )
     for text in (train, elastic):  # site details belong on the sbatch command line
         assert not re.search(r"^#SBATCH +(--partition|-p |--account|-A )", text, re.M)
