@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import posixpath
 import re
 import signal
 import subprocess
 import time
 from typing import Any
 
+from fsspec.core import url_to_fs
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 MAX_STEPS_BETWEEN_AGREEMENTS = 1000  # an int32 the all-reduce carries; far beyond any useful interval
 
 
+HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")  # Lightning's name for the preemption checkpoint
 BATCH_REQUEUE = "LIT_DDP_BATCH_REQUEUE"  # "1": the batch script requeues on exit status 128 + signum
 
 
@@ -48,7 +52,8 @@ class PreemptionCheckpoint(Callback):
     1. at that step, or the next one when validation is due after it (a resume would skip that validation), save
        one checkpoint through the normal path (``trainer.save_checkpoint``: atomic, with every rank's
        RNG and loader states) as ``<default_root_dir>/hpc_ckpt_N.ckpt``, Lightning's name for it, and wait
-       for an asynchronous write in flight (the checkpoint is on disk before anything else happens);
+       for an asynchronous write in flight (the checkpoint is on disk before anything else happens); the older
+       ``hpc_ckpt_M.ckpt`` go (:func:`remove_older_hpc_checkpoints`);
     2. under Slurm with ``SLURMEnvironment(auto_requeue=True)`` and its requeue signal, the job is requeued:
        by the batch script once the step has ended when it says so (``LIT_DDP_BATCH_REQUEUE=1``, as
        ``slurm/train.sbatch`` does: on the host, after ``srun``, so neither a container without ``scontrol``
@@ -165,6 +170,8 @@ class PreemptionCheckpoint(Callback):
         rank_zero_info(f"{signal.Signals(signum).name} received: saving {path} at global_step {trainer.global_step}")
         trainer.save_checkpoint(path, weights_only=False)  # the whole state; None logs a line on every rank
         wait_for_checkpoint_writes(trainer.strategy.checkpoint_io)
+        if trainer.is_global_zero:
+            remove_older_hpc_checkpoints(path)
         for logger in trainer.loggers:
             logger.save()
         requeued = False
@@ -197,6 +204,23 @@ class PreemptionCheckpoint(Callback):
         """The signal any rank had recorded when the all-reduce in flight was started (the highest number
         when ranks recorded different ones), or None; waits for that all-reduce."""
         return self._signal.result() or None
+
+
+def remove_older_hpc_checkpoints(path: str) -> None:
+    """Deletes the run directory's ``hpc_ckpt_M.ckpt`` for every ``M`` below ``path``'s ``N`` (a local path or
+    an fsspec URL): each holds a whole state at an earlier step than the one just written, atomically, so
+    keeping them would only fill the disk, one checkpoint per preemption. (A rollback with ``--ckpt_path``
+    first sets the later ones aside.)"""
+    fs, fs_path = url_to_fs(path)
+    directory, name = posixpath.split(fs_path)
+    this = HPC_NAME.fullmatch(name)
+    if this is None:
+        return
+    for other in fs.glob(posixpath.join(directory, "hpc_ckpt_*.ckpt")):
+        older = HPC_NAME.fullmatch(posixpath.basename(other))
+        if older is not None and int(older.group(1)) < int(this.group(1)):
+            with contextlib.suppress(OSError):
+                fs.rm(other)
 
 
 def requeue_slurm_job() -> None:
