@@ -89,7 +89,8 @@ class LitDDPCLI(ResilientCLI):
 
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
-    """Entry point of ``lit-ddp`` and ``python -m lit_ddp`` (``generate`` goes to :mod:`lit_ddp.generate`).
+    """Entry point of ``lit-ddp`` and ``python -m lit_ddp`` (``generate`` goes to :mod:`lit_ddp.generate`,
+    ``chaos`` to :mod:`lit_ddp.launch.chaos`).
 
     Args:
         args: command-line arguments without the program name; ``None`` reads ``sys.argv``.
@@ -98,6 +99,10 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
     if argv and argv[0] == "generate":
         generate_main(argv[1:])
         return None
+    if argv and argv[0] == "chaos":  # an operator's tool: imported only when asked for
+        from lit_ddp.launch.chaos import chaos_main
+
+        raise SystemExit(chaos_main(argv[1:]))
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     silence_library_noise()
 

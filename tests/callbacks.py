@@ -253,3 +253,13 @@ class MarkTrainStart(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
             _write(self.state_dir, f"started_{len(list(Path(self.state_dir).glob('started_*')))}", str(os.getpid()))
+
+
+class NudgeOnResume(Callback):
+    """Breaks exactness on purpose, for ``lit-ddp chaos`` to catch: a fit that resumes from a checkpoint adds
+    1e-3 to its first parameter (what a lost RNG or loader state does, made plain)."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path:
+            with torch.no_grad():
+                next(pl_module.parameters()).add_(1e-3)
