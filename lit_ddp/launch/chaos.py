@@ -144,7 +144,7 @@ def run_faulted(args: argparse.Namespace, fit: list[str], root: Path, rng: rando
                     raise RuntimeError(f"no new checkpoint within --timeout {args.timeout:.0f} s")
                 time.sleep(0.1)
                 seen = checkpoint_steps(root)
-            time.sleep(rng.uniform(0.0, span / (args.faults + 1)))
+            time.sleep(rng.uniform(0.0, span / (args.faults + 1)))  # all K within the training, on average
             kind, targets = rng.choice(args.kinds), workers(proc, args.launcher)
             if not targets:
                 continue  # it ended meanwhile: the loop above relaunches or reports
@@ -197,6 +197,24 @@ def compare(reference: Path, faulted: Path) -> str | None:
     return None
 
 
+def run_reference(cmd: list[str], env: dict, root: Path, timeout: float) -> float | None:
+    """Runs the uninterrupted job; returns the seconds from its first step checkpoint to its end (the part of
+    a run that faults may hit), or None when it failed."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    start, first = time.monotonic(), None
+    try:
+        while proc.poll() is None:
+            if first is None and checkpoint_steps(root):
+                first = time.monotonic()
+            if time.monotonic() - start > timeout:
+                return None
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return None if proc.returncode != 0 else time.monotonic() - (first or start)
+
+
 def chaos_main(argv: list[str]) -> int:
     """``lit-ddp chaos``: see the module docstring. Returns the exit status."""
     try:
@@ -207,18 +225,18 @@ def chaos_main(argv: list[str]) -> int:
     print(f"lit-ddp chaos: seed {args.seed} (--seed {args.seed} replays it); run directories under {args.root}")
     rng = random.Random(args.seed)
     reference = args.reference or args.root / "reference"
-    started = time.monotonic()
+    # seconds of training between the first checkpoint and the end (a guess when the reference is given)
+    span: float | None = 30.0
     if args.reference is None:
-        cmd, env = command(args, fit, reference, faulted=False)
-        if subprocess.run(cmd, env=env, timeout=args.timeout).returncode != 0:
+        span = run_reference(*command(args, fit, reference, faulted=False), reference, args.timeout)
+        if span is None:
             print("lit-ddp chaos: the uninterrupted run failed", file=sys.stderr)
             return 1
     if not (reference / "checkpoints" / "last.ckpt").is_file():
         print(f"lit-ddp: error: {reference} holds no checkpoints/last.ckpt", file=sys.stderr)
         return UsageError.exit_code
-    span = time.monotonic() - started if args.reference is None else 30.0
     try:
-        faults = run_faulted(args, fit, args.root / "faulted", rng, span)
+        faults = run_faulted(args, fit, args.root / "faulted", rng, span or 30.0)
     except RuntimeError as e:
         print(f"lit-ddp chaos: {e}", file=sys.stderr)
         return 1

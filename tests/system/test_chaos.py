@@ -23,10 +23,11 @@ REGRESSION = [
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner, seed: int) -> None:
-    """Two faults of the three kinds a torchrun job meets (SIGKILL of a worker, SIGTERM of the job, a frozen
-    worker), drawn from the seed: the tool exits 0 with a line per fault and the verdict."""
+    """Two faults, a SIGKILL of a worker or a SIGTERM of the job, drawn from the seed: the tool exits 0 with a
+    line per fault and the verdict. (A frozen worker, ``--kinds hang``, costs a minute: the hung-worker tests of
+    ``test_regression_cli.py`` and ``test_slurm_multinode.py`` cover it.)"""
     cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "2", "--kinds", "kill",
-                  "term", "hang", "--seed", str(seed), "--root", str(tmp_path), "--", *REGRESSION)  # fmt: skip
+                  "term", "--seed", str(seed), "--root", str(tmp_path), "--", *REGRESSION)  # fmt: skip
     result = runner.run(cmd, timeout=540)
     assert result.returncode == 0, result.stdout[-6000:]
     assert f"seed {seed}" in result.stdout and "identical: the faulted run ends bit for bit" in result.stdout
@@ -42,7 +43,7 @@ def test_chaos_catches_a_run_that_does_not_resume_exactly(tmp_path: Path, runner
     one kill, and the tool exits 1 naming the first differing tensor."""
     nudge = write_callbacks_config(tmp_path / "nudge.yaml", callback(NudgeOnResume))
     fit = [*compose("regression/single_device", "checkpoint/fault_tolerant"), "--config", str(nudge)]
-    fit += ["--trainer.max_epochs", "40", "--trainer.devices", "1"]
+    fit += ["--trainer.max_epochs", "80", "--trainer.devices", "1"]
     cmd = lit_ddp(
         "chaos", "--faults", "1", "--kinds", "kill", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit
     )
