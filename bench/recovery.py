@@ -44,6 +44,8 @@ import yaml
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lit_ddp.launch.chaos import workers
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = [
     "configs/trainer/ddp.yaml",
@@ -94,12 +96,6 @@ def read_clock(directory: Path) -> tuple[list[tuple[float, int]], list[tuple[flo
     return starts, steps
 
 
-def workers(agent: subprocess.Popen) -> list[int]:
-    """The pids of the torchrun agent's worker processes."""
-    out = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split()]
-
-
 def measure(
     fault: str, timeout_s: int, rng: random.Random, work: Path, last_call: int = 30, keep_alive: int = 5
 ) -> dict[str, float]:
@@ -138,12 +134,12 @@ def measure(
         time.sleep(rng.uniform(3.0, 6.0))
         faulted_at = time.time()
         if fault == "node":  # the second agent and its worker at once, as when the machine goes
-            lost = workers(agents[1])
+            lost = workers(agents[1], "torchrun")
             os.killpg(agents[1].pid, signal.SIGKILL)
             for pid in lost:
                 os.kill(pid, signal.SIGKILL)
         else:
-            os.kill(rng.choice(workers(agent)), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            os.kill(rng.choice(workers(agent, "torchrun")), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         before = {pid for _, pid in read_clock(clock)[0]}
         deadline = time.monotonic() + timeout_s + 180
         while True:

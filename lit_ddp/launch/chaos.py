@@ -157,9 +157,10 @@ def run_faulted(args: argparse.Namespace, fit: list[str], root: Path, rng: rando
             proc = relaunch(proc.returncode)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"the faulted job did not finish within --timeout {args.timeout:.0f} s") from None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    finally:  # on a failure: torchrun's workers run in sessions of their own, a frozen one included
+        for pid in [*workers(proc, args.launcher), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     return faults
 
 

@@ -129,21 +129,27 @@ class ResilientCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             config = self.config[subcommand]
-            if config.get("trainer") is not None and not config.trainer.get("default_root_dir"):
-                root = default_run_directory(config.get("config"), config_value(config.get("model"), "class_path"))
-                config.trainer.default_root_dir = root
-                config.checkpoint.dirpath = checkpoint_dir(root)
-                rank_zero_info(f"Run directory: {root} (trainer.default_root_dir is not set)")
-            run_id = os.environ.get(RUN_ID, "")
-            argv = sys.argv[1:] if args is None else args if isinstance(args, list | tuple) else []
-            given = any(str(a).split("=")[0] == "--trainer.default_root_dir" for a in argv)
-            if run_id and config.get("trainer") is not None and not given:
-                root = os.path.join(str(config.trainer.default_root_dir), run_id)
-                config.trainer.default_root_dir = root
-                config.checkpoint.dirpath = checkpoint_dir(root)
-                rank_zero_info(f"Run directory: {root} ({RUN_ID}={run_id})")
+            if config.get("trainer") is not None:
+                self._place_run(config, sys.argv[1:] if args is None else args)
             check_ckpt_path(config.get("ckpt_path"))
             check_ckpt_matches_config(config.get("ckpt_path"), config.get("model"))
+
+    @staticmethod
+    def _place_run(config: Any, args: Any) -> None:
+        """Sets the run directory where the config names none (after the config) and, with ``LIT_DDP_RUN_ID``
+        and no ``--trainer.default_root_dir`` in ``args``, to the job's own inside it."""
+        root, why = config.trainer.get("default_root_dir"), ""
+        if not root:
+            root = default_run_directory(config.get("config"), config_value(config.get("model"), "class_path"))
+            why = "trainer.default_root_dir is not set"
+        run_id = os.environ.get(RUN_ID, "")
+        argv = args if isinstance(args, list | tuple) else []
+        if run_id and not any(str(a).split("=")[0] == "--trainer.default_root_dir" for a in argv):
+            root, why = os.path.join(str(root), run_id), f"{RUN_ID}={run_id}"
+        if why:
+            config.trainer.default_root_dir = root
+            config.checkpoint.dirpath = checkpoint_dir(root)
+            rank_zero_info(f"Run directory: {root} ({why})")
 
     def before_instantiate_classes(self) -> None:
         # Mis-launches, devices / precision this machine cannot run, a busy MASTER_PORT: one clear message and
