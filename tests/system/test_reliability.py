@@ -275,8 +275,13 @@ RESTARTED_GROUP = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-if attempt == 1 and rank == 1:
-    time.sleep(2)  # rank 0 of the new group looks up rank 1's address first
+ready = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"rank0_joining_{attempt}")
+if attempt == 1 and rank == 0:
+    open(ready, "w").close()
+if attempt == 1 and rank == 1:  # rank 0 of the new group looks up rank 1's address first, however slow its start
+    while not os.path.exists(ready):
+        time.sleep(0.05)
+    time.sleep(2)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
 dist.all_reduce(torch.ones(1))
 if attempt == 0:
@@ -284,6 +289,7 @@ if attempt == 0:
         os._exit(1)  # a crash: torchrun restarts the group
     time.sleep(60)
 print(f"rank {rank} of the restarted group: all_reduce done", flush=True)
+dist.destroy_process_group()  # without it gloo's threads may abort the exit ("terminate called ...")
 """
 
 
@@ -299,17 +305,24 @@ def test_torch_shared_store_still_breaks_restarts(tmp_path: Path, runner: helper
     script = tmp_path / "restarted_group.py"
     script.write_text(RESTARTED_GROUP)
     done = "of the restarted group: all_reduce done"
-    for shared in (True, False):
+
+    def restart_forms(shared: bool) -> bool:
+        for marker in tmp_path.glob("rank0_joining_*"):
+            marker.unlink()
         proc = runner.start(torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
                                      "--monitor-interval", "0.2", str(script), shared_store=shared))  # fmt: skip
         try:
             out = helpers.wait(proc, 60).stdout
         except AssertionError as hung:  # wait()'s timeout: the group never formed
             out = str(hung)
-        if shared:
-            assert out.count(done) < 2, f"the restarted group formed on the shared store: #135712 fixed?\n{out}"
-        else:
-            assert out.count(done) == 2, out[-5000:]
+        return out.count(done) == 2 and proc.returncode == 0
+
+    assert restart_forms(shared=False), "the restarted group did not form with the opt-out"
+    # On the shared store whether it breaks depends on which side of the gloo pair dials: rank 0 dials the crashed
+    # rank 1's stale address in most tries, not all (1 in 10 formed here), so try up to 12 times.
+    tries = next((n for n in range(1, 13) if not restart_forms(shared=True)), None)
+    assert tries is not None, "the restarted group formed 12 times in 12 on the shared store: #135712 fixed?"
+    print(f"shared store: the restarted group broke on try {tries}")
     start = time.monotonic()
     proc = runner.start(torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "lit_ddp",
                                  "fit", *compose("trainer/ddp", "regression/torchrun"), *QUIET,
