@@ -25,9 +25,11 @@
 #                            job start while a 2-task job runs)
 #   SLURM_LOCAL_CRED_EXPIRE  AuthInfo cred_expire = wait before a requeued job may restart (default 10, min 5)
 #   SLURM_LOCAL_KEEP_STATE=1 keep the controller's job state across restarts
-# Slurm 22.05 (Debian 12) settings that matter: proctrack/linuxproc + task/none + no job accounting (no
-# cgroups needed); cred_expire + sched_interval/bf_interval make a requeued job restart after ~12 s instead
-# of ~164 s; SlurmdParameters=config_overrides lets a node advertise more CPUs than the hardware has.
+# Slurm 22.05 (Debian 12) settings that matter: proctrack/linuxproc + task/affinity + no job accounting (no
+# cgroups needed; tasks are bound with sched_setaffinity: by default to the socket, both cores here, with
+# srun --cpu-bind=cores / SLURM_CPU_BIND=cores to a core each; a step asking for all 8 of a node's advertised
+# CPUs fails with "Unable to layout tasks on given cpus", 3 tasks x 2 CPUs do not); cred_expire +
+# sched_interval/bf_interval make a requeued job restart after ~12 s instead of ~164 s; SlurmdParameters=config_overrides lets a node advertise more CPUs than the hardware has.
 # No slurmdbd, so `sacct` answers "accounting storage is disabled": finished jobs are recorded one line each
 # (JobId, JobName, JobState, NodeList, NodeCnt, ...) by jobcomp/filetxt in $SLURM_LOCAL_BASE/log/jobcomp.log,
 # and `scontrol show job` keeps them for MinJobAge (300 s).
@@ -167,7 +169,7 @@ CredType=cred/munge
 AuthInfo=cred_expire=${SLURM_LOCAL_CRED_EXPIRE:-10}
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt

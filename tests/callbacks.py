@@ -129,6 +129,7 @@ class RecordStart(Callback):
             "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
             "num_threads": torch.get_num_threads(),
             "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK"),
+            "cpus": sorted(os.sched_getaffinity(0)),  # the CPUs this process may run on (Slurm's binding)
         }
         name = f"start_r{_slurm_restart_count()}_t{record['torchelastic_restart_count'] or 0}"
         _write(self.out_dir, f"{name}_rank{trainer.global_rank}.json", json.dumps(record))

@@ -20,8 +20,8 @@ nothing already saved is touched and no process is left waiting for a peer (:fun
   - ``torchrun --max-restarts N`` (N > 0) without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch >= 2.5 shares
     the agent's store with the workers, and a restart reuses it (pytorch/pytorch#135712).
   - a Slurm node whose GPUs (``SLURM_GPUS_ON_NODE``) are not one per task.
-- the trainer against this machine (:func:`check_trainer`): more CPU processes than the cores this process may
-  use (its CPU affinity: a Slurm or container binding), fp16 on CPU;
+- the trainer against this machine (:func:`check_trainer`): more CPU processes for Lightning to start than the
+  cores this process may use (its CPU affinity: a container's binding), fp16 on CPU;
 - a user-set ``MASTER_PORT`` that is busy (:func:`check_master_port`);
 - an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`).
 """
@@ -180,8 +180,9 @@ def check_trainer(
     env: Mapping[str, str] | None = None,
 ) -> None:
     """Checks ``trainer.devices`` and ``trainer.precision`` against this machine before any process starts.
-    Under torchrun (``TORCHELASTIC_RUN_ID`` in ``env``) the processes exist already, as many as its
-    ``--nproc_per_node`` asked for: more of them than cores is the user's choice, not a typo.
+    Under torchrun (``TORCHELASTIC_RUN_ID`` in ``env``) or in an srun step (``SLURM_STEP_ID``) the processes
+    exist already, as many as the launcher asked for, each bound to the cores it was given: more of them than
+    one process's cores is the launcher's layout, not a typo.
 
     Raises:
         UsageError: a GPU accelerator where torch sees no CUDA GPU, more CPU processes than cores (Lightning to
@@ -203,7 +204,10 @@ def check_trainer(
     devices = config_value(trainer, "devices", "auto")
     if isinstance(devices, str) and devices.strip().isdigit():
         devices = int(devices)
-    launched = "TORCHELASTIC_RUN_ID" in (os.environ if env is None else env)
+    env = os.environ if env is None else env
+    # torchrun or srun started the processes already, each perhaps bound to fewer cores than the node's
+    # devices (srun --cpu-bind=cores -c 1): their number is the launcher's, not a typo.
+    launched = "TORCHELASTIC_RUN_ID" in env or "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
     if isinstance(devices, int) and devices > cpu_count and not launched:
         raise UsageError(
             f"trainer.devices={devices} but this process may use {cpu_count} CPU core(s): on CPU each device is one "

@@ -72,7 +72,8 @@ def slurm_env(**extra: str) -> dict[str, str]:
     env["LIT_DDP_PYTHON"] = extra.get("LIT_DDP_PYTHON", sys.executable)
     env["LIT_DDP_TORCHRUN"] = str(VENV_BIN / "torchrun")
     for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))]:
-        del env[key]  # a test run inside a Slurm job must not leak that job's layout
+        if key not in extra:
+            del env[key]  # a test run inside a Slurm job must not leak that job's layout
     return env
 
 

@@ -217,24 +217,38 @@ def test_array_tasks_of_one_config_train_in_their_own_run_directories(cluster, t
 
 @pytest.mark.slurm
 @pytest.mark.multiprocess
-def test_sbatch_threads_follow_cpus_per_task(cluster, tmp_path: Path) -> None:
-    """``sbatch --cpus-per-task 2``: train.sbatch passes it on to srun (22.05's srun does not take it from the
+@pytest.mark.parametrize("script, cpus, bind", [("train", 2, None), ("train", 1, "cores"), ("train_elastic", 4, None)])
+def test_sbatch_threads_follow_cpus_per_task(cluster, tmp_path: Path, script: str, cpus: int, bind: str | None) -> None:
+    """``sbatch --cpus-per-task C``: both scripts pass it on to srun (22.05's srun does not take it from the
     allocation) and each task's torch threads follow it, where Lightning would split this 2-core machine's
-    cores between the node's 2 tasks (1 each; torch caps threads at the cores, so 2 is the most seen here;
-    issue 26, item 5). The local cluster binds no CPUs (task/none): the binding itself is not seen here."""
+    cores between the node's 2 tasks, and torchrun would give each worker 1 thread (issue 26, item 5). The
+    local cluster binds (task/affinity): its default binds each task to the socket (both cores here),
+    ``SLURM_CPU_BIND=cores`` each task to one core of its own, and the preflight does not mistake 2 tasks of 1
+    core for 2 devices on 1 core. train_elastic.sbatch's task holds the node's 2 workers: each gets C / 2 threads
+    (the local nodes advertise 8 CPUs on this machine's 2 cores: 4 are 2 in the binding)."""
     out = tmp_path / "job.out"
     cb, record_dir = callbacks_yaml(tmp_path)
     args = [CONFIG, "--config", str(cb), "--trainer.default_root_dir", str(tmp_path / "run")]
     args += ["--trainer.max_epochs", "1", *QUIET]
-    opts = ["-J", unique("cpus"), "-o", str(out), "-N1", "--ntasks-per-node=2", "--cpus-per-task", "2"]
+    opts = ["-J", unique("cpus"), "-o", str(out), "-N1", "--cpus-per-task", str(cpus)]
+    env = {"SLURM_CPU_BIND": bind} if bind else {}
+    if script == "train_elastic":  # a step config without SLURMEnvironment; one agent, two workers
+        args = ["configs/regression/torchrun.yaml", *compose("trainer/ddp"), *args[1:]]
+        env |= {"NPROC_PER_NODE": "2", "RDZV_PORT": str(find_free_network_port())}
+    else:
+        opts.append("--ntasks-per-node=2")
     job = None
     try:
-        job = sbatch("slurm/train.sbatch", args, opts)
+        job = sbatch(f"slurm/{script}.sbatch", args, opts, **env)
         info = wait_job_done(job, timeout=240, output=out)
     finally:
         cancel(job)
     assert info["JobState"] == "COMPLETED", out.read_text()[-5000:]
     records = starts(record_dir)
     assert len(records) == 2, records
+    threads = cpus // 2 if script == "train_elastic" else cpus
     for record in records.values():
-        assert (record["cpus_per_task"], record["num_threads"]) == ("2", 2), record
+        assert (record["cpus_per_task"], record["num_threads"]) == (str(cpus), threads), record
+        assert len(record["cpus"]) == min(cpus, 2), record  # torch caps threads at the CPUs it may use
+    if bind == "cores":  # a core each, not the same one
+        assert sorted(cpu for record in records.values() for cpu in record["cpus"]) == [0, 1], records

@@ -133,6 +133,12 @@ def test_check_trainer_uses_the_given_machine() -> None:
     # torchrun started the 8 processes already (its --nproc_per_node): their number is the user's to choose
     torchrun = {"TORCHELASTIC_RUN_ID": "1"}
     check_trainer({"accelerator": "cpu", "devices": 8}, cpu_count=4, cuda_available=False, env=torchrun)
+    # so did srun, each task bound to one core (srun --cpu-bind=cores -c 1): 2 tasks of 1 core each are fine
+    check_trainer({"accelerator": "cpu", "devices": 2}, cpu_count=1, cuda_available=False, env={"SLURM_STEP_ID": "0"})
+    with pytest.raises(UsageError, match="may use 1 CPU"):  # the batch shell of such a job is not a step
+        check_trainer(
+            {"accelerator": "cpu", "devices": 2}, cpu_count=1, cuda_available=False, env={"SLURM_JOB_ID": "7"}
+        )
 
 
 # ---- a checkpoint against the config, the config files
