@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -262,6 +263,26 @@ def default_store() -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("no default process group")
     return _get_default_store()
+
+
+def strategy_timeout(strategy: Any) -> timedelta | None:
+    """The timeout a strategy creates its process group with (Lightning keeps ``DDPStrategy(timeout=...)`` in
+    ``_timeout``, as FSDPStrategy and ModelParallelStrategy do, and has no getter); None for one without."""
+    timeout = getattr(strategy, "_timeout", None)
+    return timeout if isinstance(timeout, timedelta) else None
+
+
+def set_strategy_timeout(strategy: Any, timeout: timedelta) -> None:
+    """Makes the strategy create its process group with ``timeout`` (before ``setup_environment``); Lightning
+    takes one timeout, for the rendezvous and every collective alike."""
+    strategy._timeout = timeout
+
+
+def set_process_group_timeout(timeout: timedelta) -> None:
+    """Sets the default process group's timeout for the collectives that follow (torch's ``_set_pg_timeout``,
+    gloo and NCCL; a no-op without a group)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timeout)
 
 
 def exit_now(code: int) -> None:

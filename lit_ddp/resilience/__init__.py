@@ -5,6 +5,7 @@
 - :mod:`~lit_ddp.resilience.resume`: the resume point, the newest valid checkpoint, agreed by all ranks;
 - :mod:`~lit_ddp.resilience.exact_resume`: each rank's RNG and train-loader state in every checkpoint;
 - :mod:`~lit_ddp.resilience.periodic_checkpoint`: checkpoints every N steps and/or T seconds;
+- :mod:`~lit_ddp.resilience.startup_timeout`: start-up bounded apart from the collective timeout;
 - :mod:`~lit_ddp.resilience.finite_loss`: a NaN stops every rank before it reaches a checkpoint;
 - :mod:`~lit_ddp.resilience.preemption`, :mod:`~lit_ddp.resilience.signals`,
   :mod:`~lit_ddp.resilience.deferred`: signals acted on at agreed step boundaries (save, requeue, exit).

@@ -43,6 +43,7 @@ from lit_ddp.resilience.resume import (
     set_aside_later_checkpoints,
 )
 from lit_ddp.resilience.run_lock import hold_run_directory
+from lit_ddp.resilience.startup_timeout import StartupTimeout
 
 DEFAULT_ROOT_DIR = "runs/default"
 # A run of its own inside the config's run directory, <root>/<id>, unless --trainer.default_root_dir is given:
@@ -96,6 +97,8 @@ class ResilientCLI(LightningCLI):
       (:func:`default_run_directory`). With ``LIT_DDP_RUN_ID`` set and no ``--trainer.default_root_dir`` on
       the command line it is ``<root>/<LIT_DDP_RUN_ID>`` (one per Slurm job: ``slurm/train.sbatch``).
     - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank).
+    - ``startup.timeout`` bounds the start-up (rendezvous, resume, restore) instead of the strategy's collective
+      timeout (:class:`StartupTimeout`).
     - Every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint` (``trainer_defaults``), and
       writes every checkpoint
       atomically (:class:`AtomicCheckpointIO`) unless ``trainer.plugins`` names another ``CheckpointIO``.
@@ -122,6 +125,7 @@ class ResilientCLI(LightningCLI):
         )
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.add_lightning_class_args(ExactResume, "exact_resume")
+        parser.add_lightning_class_args(StartupTimeout, "startup")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -207,6 +211,9 @@ class ResilientCLI(LightningCLI):
         directory's checkpoints of later steps than X's aside (:func:`set_aside_later_checkpoints`); a torchrun
         restart or Slurm requeue of the same job resumes from what it saved since (X while it saved nothing)."""
         mark_running()
+        startup = self.config_init[self.subcommand].get("startup")  # the trainer's callback, as LightningCLI made it
+        if isinstance(startup, StartupTimeout):
+            startup.arm(self.trainer)  # before the process group exists
         if not resume:  # an evaluation restores the weights only: the fit callbacks' states do not concern it
             warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
         else:  # a fit resumes from the run directory's checkpoints: that they exist is the design, not a mistake

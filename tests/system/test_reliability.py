@@ -334,3 +334,43 @@ def test_torch_shared_store_still_breaks_restarts(tmp_path: Path, runner: helper
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun" in errors[0] and "--max-restarts 1" in errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
     print(f"refused in {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_slow_start_on_one_rank_is_not_a_stuck_collective(tmp_path: Path, runner: helpers.Runner, seed: int) -> None:
+    """The start-up (rendezvous, resume agreement, checkpoint restore) has its own bound, ``startup.timeout``
+    (30 minutes), apart from the collective timeout (issue 26, item 6). A resumed torchrun job whose collective
+    timeout is 4 s, one worker frozen for 12 s at a random moment of its start (a slow import, a slow container
+    start on one node): it trains to its end. The same freeze with ``--startup.timeout 0:00:04`` (the collective
+    timeout alone, as before) fails the job. A stuck collective after the start is still bounded by the collective
+    timeout: the hung-worker tests (15 s) finish within about a minute."""
+    rng = random.Random(seed)
+    run = tmp_path / "run"
+    base = torchrun("--standalone", "--nproc_per_node", "2", "-m", "lit_ddp", "fit",
+                    *compose("trainer/ddp", "regression/torchrun"), "--trainer.default_root_dir", str(run),
+                    "--trainer.strategy.init_args.timeout", "0:00:04", "--checkpoint.every_n_epochs", "1", *QUIET)  # fmt: skip
+    first = helpers.wait(runner.start([*base, "--trainer.max_epochs", "1"]), 120)
+    assert first.returncode == 0, first.stdout[-3000:]
+
+    def frozen_start(*extra: str) -> tuple[int, str]:
+        watched = Watched(runner.start([*base, "--trainer.max_epochs", "2", *extra]))
+        deadline = time.monotonic() + 60
+        while len(pids := workers(watched.proc)) < 2:
+            assert time.monotonic() < deadline and watched.proc.poll() is None, watched.output[-3000:]
+            time.sleep(0.02)
+        target, delay = rng.choice(sorted(pids)), rng.uniform(0.0, 3.0)
+        time.sleep(delay)
+        os.kill(target, signal.SIGSTOP)
+        print(f"froze worker {target} {delay:.2f} s into its start, for 12 s")
+        time.sleep(12)
+        os.kill(target, signal.SIGCONT)
+        return watched.finish(120), watched.output
+
+    status, output = frozen_start("--startup.timeout", "0:00:04")
+    assert status != 0, f"the start-up survived a 12 s freeze on a 4 s timeout:\n{output[-3000:]}"
+    assert checkpoint_step(str(run / "checkpoints" / "last.ckpt")) == 28  # the failed start saved nothing
+    status, output = frozen_start()
+    assert status == 0, output[-3000:]
+    assert "last checkpoint:" in output and "(global_step 56)" in output, output[-3000:]

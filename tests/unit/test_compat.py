@@ -194,3 +194,19 @@ def test_lightning_leaves_a_mid_epoch_resume_without_a_progress_bar_total(tmp_pa
     fit(bar, ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
     total = 8 if by == "epochs" else 6
     assert bar.seen == ((total, "Epoch 0: ", 3, 3) if mended else (None, "Training", 0, 3))
+
+
+def test_process_group_timeout_internals() -> None:
+    """Lightning keeps a strategy's process-group timeout in ``_timeout`` with no setter, and torch sets a live
+    group's timeout through the private ``_set_pg_timeout`` (StartupTimeout uses both)."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = DDPStrategy(timeout=timedelta(seconds=7))
+    assert compat.strategy_timeout(strategy) == timedelta(seconds=7)
+    compat.set_strategy_timeout(strategy, timedelta(minutes=30))
+    assert compat.strategy_timeout(strategy) == timedelta(minutes=30)
+    import torch.distributed.distributed_c10d as c10d
+
+    assert list(inspect.signature(c10d._set_pg_timeout).parameters) == ["timeout", "group"]
