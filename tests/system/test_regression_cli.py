@@ -190,6 +190,11 @@ def final_weights(root: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return last["global_step"], last["state_dict"]
 
 
+# The moment may fall in the start-up (the first seconds after the group formed), whose own bound is 30 minutes
+# by default: the same 15 s for both.
+HANG_TIMEOUTS = ("--trainer.strategy.init_args.timeout", "0:00:15", "--startup.timeout", "0:00:15")
+
+
 def strike_one_node(runner: Runner, root: Path, signum: int, after: tuple[float, float], seed: int, *extra: str):
     """The heterogeneous job with ``--max-restarts 1``, the 1-process node's worker sent ``signum`` a random time
     in ``after`` (seconds) after the group formed; waits for both agents to succeed. Returns their outputs."""
@@ -236,9 +241,7 @@ def test_nodes_with_different_process_counts_train_as_one_job(tmp_path: Path, ru
         assert torch.equal(killed[name], tensor), f"{name} differs from the uninterrupted job"
 
     started = time.monotonic()
-    strike_one_node(
-        runner, tmp_path / "hung", signal.SIGSTOP, (0.2, 1.5), seed, "--trainer.strategy.init_args.timeout", "0:00:15"
-    )
+    strike_one_node(runner, tmp_path / "hung", signal.SIGSTOP, (0.2, 1.5), seed, *HANG_TIMEOUTS)
     print(f"hung worker: the job took {time.monotonic() - started:.1f} s (uninterrupted: {uninterrupted:.1f} s)")
     hung_step, hung = final_weights(tmp_path / "hung")
     assert hung_step == step

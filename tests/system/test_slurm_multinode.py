@@ -243,7 +243,8 @@ def test_elastic_sbatch_on_two_nodes_survives_a_worker_fault(two_nodes, tmp_path
     rng = random.Random(seed)
     args = [*TORCHRUN_CONFIG, "--config", "configs/checkpoint/fault_tolerant.yaml", "--data.num_samples", "288"]
     args += ["--trainer.max_epochs", "-1", "--trainer.max_steps", "600", "--checkpoint.every_n_train_steps", "10"]
-    args += ["--trainer.strategy.init_args.timeout", "0:00:15"]
+    # the moment may fall in the start-up, whose own bound is 30 minutes by default: the same 15 s for both
+    args += ["--trainer.strategy.init_args.timeout", "0:00:15", "--startup.timeout", "0:00:15"]
     jobs: dict[str, tuple[str, Path, Path]] = {}
     try:
         for name in ("ref", "killed"):
