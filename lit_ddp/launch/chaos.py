@@ -1,39 +1,50 @@
 """``lit-ddp chaos``: does *your* run survive faults exactly? Trains it once uninterrupted and once under faults
 injected from outside, then compares the two final checkpoints bit for bit.
 
-    lit-ddp chaos [--launcher single|torchrun] [--nproc_per_node N] [--faults K] [--kinds kill term hang]
-                  [--seed S] [--root DIR] [--reference DIR] -- <the arguments of lit-ddp fit>
+    lit-ddp chaos [--launcher single|torchrun|slurm] [--nproc_per_node N] [--nodes N] [--faults K]
+                  [--kinds kill term hang node save usr1] [--seed S] [--root DIR] [--reference DIR] [--rtol R]
+                  -- <the arguments of lit-ddp fit>
 
 - ``single``: ``lit-ddp fit ARGS`` in one process; after each fault the tool runs the same command again, as
   a user or a Slurm requeue would. ``torchrun``: ``torchrun --standalone --nproc_per_node N --max-restarts K``
-  (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), which restarts the workers itself; a ``term`` fault ends the
-  job (torchrun passes SIGTERM on) and the tool relaunches it.
-- Fault kinds: ``kill`` (SIGKILL of one worker, a crash), ``term`` (SIGTERM, a preemption: the run saves at a
-  step boundary and exits 143), ``hang`` (SIGSTOP of one worker, torchrun only: the others fail at the
-  collective timeout, which the tool sets to 20 s). Each fault comes at a wall-clock moment drawn from
-  ``--seed`` (printed: the same seed replays the same schedule), only once the run directory holds a
-  checkpoint, and the next one only after the job came back (a new process reached a new checkpoint).
+  (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), which restarts the workers itself; a fault that ends the
+  job (``term``, ``node``) has the tool relaunch it. ``slurm``: ``sbatch --nodes N --ntasks-per-node P
+  slurm/train.sbatch CONFIG ARGS`` (CONFIG: the first ``--config`` of ARGS) on the cluster ``sbatch`` reaches;
+  a job that ends failed is submitted again, as an operator would.
+- Fault kinds (each chosen kind once before any comes again): ``kill`` (SIGKILL of one worker, a crash; under Slurm of every task of the job's step),
+  ``term`` (SIGTERM of the job, a preemption or ``scancel``: the run saves at a step boundary and exits 143),
+  ``hang`` (SIGSTOP of one worker, torchrun only: the others fail at the collective timeout, which the tool
+  sets to 20 s), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine),
+  ``save`` (SIGKILL of the process writing a checkpoint, the moment its temporary file appears), ``usr1``
+  (``scancel --signal=USR1``, Slurm only: the time limit's warning, save and requeue). The schedule (each
+  fault's kind, delay and target rank) is drawn from ``--seed`` before the run (printed: the same seed replays
+  the same schedule); a fault comes only once the run directory holds a step checkpoint, and the next one only
+  after the job came back (it resumed, as its "Resumed from" line says, and saved a step checkpoint since).
 - The comparison: ``global_step``, the weights, the optimizer and learning-rate scheduler states of the two
-  ``last.ckpt``, every tensor bit for bit. Printed: one line per fault (kind, target, seconds into the run,
-  the newest checkpoint's step before it), then the verdict and the first differing entry.
+  ``last.ckpt``, every tensor bit for bit (``--rtol`` for runs that cannot be exact), then the TensorBoard
+  scalars (the last value logged at each step; timing scalars such as tokens/s left out). Printed: one line
+  per fault (kind, target, seconds into the run, the newest checkpoint's step before it, the step the job
+  resumed from after it), the seconds the faults cost, then the verdict and the first differing entry.
 
 Exit status: 0 identical, 1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
-Not yet here (issue 23): the Slurm launcher, several torchrun agents, faults timed to a checkpoint write or a
-validation, TensorBoard scalars. No library does this (torchft's injector checks convergence only), hence our
-code.
+Not yet here (issue 23): several torchrun agents, a kill timed to a validation, the step each fault hit.
+No library does this (torchft's injector checks convergence only), hence our code.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +52,45 @@ import torch
 
 from lit_ddp.launch.errors import UsageError
 
-KINDS = ("kill", "term", "hang")
+KINDS = ("kill", "term", "hang", "node", "save", "usr1")
+# What each launcher can inject: a Slurm job's processes run on other machines, reached through scancel only.
+LAUNCHER_KINDS = {
+    "single": ("kill", "term", "save"),
+    "torchrun": ("kill", "term", "hang", "node", "save"),
+    "slurm": ("kill", "term", "usr1"),
+}
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
 CKPT_STEP = re.compile(r"step=(\d+)")
+RESUMED = re.compile(r"Resumed from \S+ at global_step (\d+)")
+SBATCH_SCRIPT = Path("slurm/train.sbatch")
+# Scalars that measure the machine, not the training: they differ between any two runs.
+TIMING_SCALARS = ("per_sec", "tokens/s", "throughput", "time")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault: its kind, its delay as a fraction of the span between faults, and which of the
+    targets (sorted by rank) it hits, as a fraction of their number."""
+
+    kind: str
+    delay: float
+    target: float
+
+
+def plan(seed: int, faults: int, kinds: list[str]) -> list[Fault]:
+    """The fault schedule of ``seed``: the same seed, the same kinds, delays and targets. The kinds come in an
+    order drawn from the seed, each once before any comes again: K faults of K kinds inject every one."""
+    rng = random.Random(seed)
+    order = rng.sample(list(dict.fromkeys(kinds)), len(set(kinds)))
+    return [Fault(order[i % len(order)], rng.random(), rng.random()) for i in range(faults)]
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Splits ``argv`` at ``--`` into the tool's options and the fit arguments.
 
     Raises:
-        UsageError: no ``--`` or nothing after it, ``--faults`` below 1, ``hang`` with ``--launcher single``.
+        UsageError: no ``--`` or nothing after it, ``--faults`` below 1, a kind the launcher cannot inject,
+            ``--launcher slurm`` without ``sbatch`` or without a ``--config`` first.
     """
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         raise UsageError(
@@ -59,40 +99,44 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         )
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="lit-ddp chaos", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--launcher", choices=("single", "torchrun"), default="single")
-    parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun: processes")
+    parser.add_argument("--launcher", choices=tuple(LAUNCHER_KINDS), default="single")
+    parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun: processes; slurm: tasks per node")
+    parser.add_argument("--nodes", type=int, default=1, help="slurm: nodes")
     parser.add_argument("--faults", type=int, default=2, help="faults to inject (>= 1)")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["kill", "term"])
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: kill term (slurm: usr1)")
     parser.add_argument("--seed", type=int, default=None, help="replays a fault schedule (printed)")
     parser.add_argument("--root", type=Path, default=None, help="run directories (default runs/chaos/<seed>)")
     parser.add_argument("--reference", type=Path, default=None, help="a finished uninterrupted run to reuse")
+    parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (0: bit for bit)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each job may take")
     args = parser.parse_args(argv[:split])
+    fit = argv[split + 1 :]
     if args.faults < 1:
         raise UsageError(f"--faults {args.faults}: give at least 1 (faults to inject into the run)")
-    if "hang" in args.kinds and args.launcher == "single":
-        raise UsageError("--kinds hang needs --launcher torchrun: one process has no peer to wait for it")
+    possible = LAUNCHER_KINDS[args.launcher]
+    if args.kinds is None:
+        args.kinds = ["usr1"] if args.launcher == "slurm" else ["kill", "term"]
+    if wrong := [k for k in args.kinds if k not in possible]:
+        raise UsageError(
+            f"--kinds {' '.join(wrong)}: --launcher {args.launcher} injects {', '.join(possible)}"
+            + (" (one process has no peer to wait for a frozen one)" if "hang" in wrong else "")
+        )
+    if args.launcher == "slurm":
+        if shutil.which("sbatch") is None:
+            raise UsageError("--launcher slurm needs Slurm's sbatch on PATH (none here): run it where you submit jobs")
+        if not SBATCH_SCRIPT.is_file():
+            raise UsageError(f"--launcher slurm submits {SBATCH_SCRIPT}: run lit-ddp chaos from the repository root")
+        if fit[0] != "--config" or len(fit) < 2:
+            raise UsageError("--launcher slurm: the fit arguments start with the step config, `-- --config CONFIG ...`")
+    if args.rtol < 0:
+        raise UsageError(f"--rtol {args.rtol}: give 0 (bit for bit) or a positive relative tolerance")
     if args.seed is None:
         args.seed = random.randrange(2**31)
     if args.root is None:
         args.root = Path("runs") / "chaos" / str(args.seed)
     if (args.root / "faulted").exists():
         raise UsageError(f"{args.root / 'faulted'} exists (an earlier chaos run): remove it, or give another --root")
-    return args, argv[split + 1 :]
-
-
-def command(args: argparse.Namespace, fit: list[str], root: Path, faulted: bool) -> tuple[list[str], dict]:
-    """The launch command of one run and its environment."""
-    extra = ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
-    if faulted and "hang" in args.kinds:
-        extra += ["--trainer.strategy.init_args.timeout", HANG_TIMEOUT]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if args.launcher == "single":
-        return [sys.executable, "-m", "lit_ddp", "fit", *fit, *extra], env
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per restart round (pytorch#135712)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                str(args.nproc_per_node), "--max-restarts", str(args.faults), "--monitor-interval", "0.2"]  # fmt: skip
-    return [*launcher, "-m", "lit_ddp", "fit", *fit, *extra], env
+    return args, fit
 
 
 def checkpoint_steps(root: Path) -> list[int]:
@@ -112,108 +156,271 @@ def workers(proc: subprocess.Popen, launcher: str) -> list[int]:
     return [int(pid) for pid in out.split()]
 
 
-def run_faulted(args: argparse.Namespace, fit: list[str], root: Path, rng: random.Random, span: float) -> list[dict]:
-    """Runs the job under ``args.faults`` faults; returns one record per fault.
+def rank_of(pid: int) -> int:
+    """A worker's ``RANK`` (torchrun's environment; 0 for a process started without one)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return 0
+    return next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), 0)
+
+
+def writer_of_temporary_checkpoint(root: Path, pids: list[int], deadline: float) -> int | None:
+    """The pid among ``pids`` that holds a checkpoint's temporary file open (``.NAME.XXXX.tmp``, AtomicCheckpointIO's,
+    in ``root/checkpoints`` or ``root``), as soon as one appears; None if none did before ``deadline``."""
+    folders = [root / "checkpoints", root]
+    while time.monotonic() < deadline:
+        for folder in folders:
+            with contextlib.suppress(OSError):
+                for name in os.listdir(folder):
+                    if name.startswith(".") and name.endswith(".tmp"):
+                        path = str(folder / name)
+                        for pid in pids:
+                            with contextlib.suppress(OSError):
+                                for fd in os.listdir(f"/proc/{pid}/fd"):
+                                    with contextlib.suppress(OSError):
+                                        if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                                            return pid
+        time.sleep(0.0005)
+    return None
+
+
+class Job:
+    """One run of the fit command under a launcher: started, polled, faulted, started again, its output kept."""
+
+    def __init__(self, args: argparse.Namespace, fit: list[str], root: Path, faulted: bool) -> None:
+        self.args, self.root, self.name = args, root, "faulted" if faulted else "reference"
+        extra = ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
+        if faulted and "hang" in args.kinds:
+            extra += ["--trainer.strategy.init_args.timeout", HANG_TIMEOUT]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log = args.root / f"{self.name}.log"
+        if args.launcher == "single":
+            self.cmd = [sys.executable, "-m", "lit_ddp", "fit", *fit, *extra]
+        elif args.launcher == "torchrun":
+            self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per restart round (pytorch#135712)
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        str(args.nproc_per_node), "--max-restarts", str(args.faults), "--monitor-interval", "0.2"]  # fmt: skip
+            self.cmd = [*launcher, "-m", "lit_ddp", "fit", *fit, *extra]
+        else:
+            self.env.setdefault("LIT_DDP_PYTHON", sys.executable)
+            opts = ["--parsable", "--nodes", str(args.nodes), "--ntasks-per-node", str(args.nproc_per_node),
+                    "-J", f"chaos-{args.seed}-{self.name}", "-o", str(args.root / f"{self.name}-%j.out")]  # fmt: skip
+            self.cmd = ["sbatch", *opts, str(SBATCH_SCRIPT), fit[1], *fit[2:], *extra]
+        self.proc: subprocess.Popen | None = None
+        self.job_id = ""
+        self.started = 0
+
+    def start(self) -> None:
+        self.started += 1
+        self.args.root.mkdir(parents=True, exist_ok=True)
+        if self.args.launcher == "slurm":
+            out = subprocess.run(self.cmd, env=self.env, capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                raise RuntimeError(f"sbatch failed: {out.stderr.strip()}")
+            self.job_id = out.stdout.strip().split(";")[0]
+            return
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def poll(self) -> int | None:
+        """None while running (a requeued Slurm job, pending again, included); else 0 or a failure status."""
+        if self.proc is not None:
+            return self.proc.poll()
+        out = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=30)
+        state = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f).get("JobState", "")
+        if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "SUSPENDED", ""):
+            return None if state or out.returncode == 0 else 1
+        return 0 if state == "COMPLETED" else 1
+
+    def targets(self) -> list[tuple[int, int]]:
+        """``(rank, pid)`` of the training processes, by rank (none under Slurm: its tasks are reached by scancel)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return sorted((rank_of(pid), pid) for pid in workers(self.proc, self.args.launcher))
+
+    def inject(self, fault: Fault, deadline: float) -> str | None:
+        """Injects ``fault``; returns the target's description, or None when there was none (the job ended)."""
+        if self.args.launcher == "slurm":
+            signame = {"kill": "KILL", "term": "TERM", "usr1": "USR1"}[fault.kind]
+            subprocess.run(["scancel", f"--signal={signame}", self.job_id], capture_output=True, timeout=30)
+            return f"job {self.job_id}"
+        targets = self.targets()
+        if not targets or self.proc is None:
+            return None
+        rank, pid = targets[min(int(fault.target * len(targets)), len(targets) - 1)]
+        if fault.kind == "save":  # the process that writes, the moment its temporary file appears
+            found = writer_of_temporary_checkpoint(self.root, [p for _, p in targets], deadline)
+            if found is None:
+                return None
+            rank, pid = rank_of(found), found
+        if fault.kind == "node":  # the agent and its workers at once, as when the machine goes
+            for victim in [self.proc.pid, *(p for _, p in targets)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)
+            return f"agent + {len(targets)} workers"
+        signum = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hang": signal.SIGSTOP, "save": signal.SIGKILL}
+        os.kill(pid, signum[fault.kind])
+        if fault.kind == "term" and self.args.launcher == "torchrun":
+            os.kill(self.proc.pid, signal.SIGTERM)  # the agent: a preemption of the whole job
+        return f"rank {rank}"
+
+    def stop(self) -> None:
+        if self.args.launcher == "slurm":
+            if self.job_id:
+                subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
+            return
+        if self.proc is not None:  # torchrun's workers run in sessions of their own, a frozen one included
+            for pid in [*workers(self.proc, self.args.launcher), self.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def output(self) -> str:
+        if self.args.launcher == "slurm":
+            return "".join(p.read_text(errors="replace") for p in sorted(self.args.root.glob(f"{self.name}-*.out")))
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def run_reference(job: Job, timeout: float) -> tuple[float, float] | None:
+    """Runs the uninterrupted job; returns its seconds in all and from its first step checkpoint to its end (the
+    part of a run that faults may hit), or None when it failed."""
+    job.start()
+    start, first = time.monotonic(), None
+    try:
+        while (status := job.poll()) is None:
+            if first is None and checkpoint_steps(job.root):
+                first = time.monotonic()
+            if time.monotonic() - start > timeout:
+                return None
+            time.sleep(0.1)
+    finally:
+        job.stop()
+    end = time.monotonic()
+    return None if status != 0 else (end - start, end - (first or end))
+
+
+def run_faulted(job: Job, schedule: list[Fault], span: float, timeout: float) -> tuple[list[dict], float]:
+    """Runs the job under the ``schedule``; returns one record per fault and the job's seconds in all.
 
     Raises:
-        RuntimeError: the job failed, or did not come back within ``args.timeout`` seconds.
+        RuntimeError: the job failed more often than the faults explain, or did not come back within
+            ``timeout`` seconds.
     """
-    cmd, env = command(args, fit, root, faulted=True)
     start = time.monotonic()
-    deadline = start + args.timeout
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    deadline = start + timeout
+    job.start()
     faults: list[dict] = []
-    relaunches = args.faults  # a `kill` under single, a `term`: the tool starts the job again, as a requeue does
+    relaunches = len(schedule)  # a fault that ends the job: the tool starts it again, as a requeue does
 
-    def relaunch(status: int) -> subprocess.Popen:
+    def relaunch(status: int) -> None:
         nonlocal relaunches
         relaunches -= 1
         if relaunches < 0:
-            raise RuntimeError(f"the faulted job failed with status {status}")
-        return subprocess.Popen(cmd, env=env, start_new_session=True)
+            raise RuntimeError(f"the faulted job failed with status {status}; its output: {job.log}")
+        job.start()
+
+    def back() -> bool:
+        """Whether the job came back from every fault so far: it resumed once per fault (its "Resumed from ...
+        at global_step N" lines) and saved a step checkpoint after the last resume."""
+        seen = checkpoint_steps(job.root)
+        if not seen or job.poll() is not None:
+            return False
+        if not faults:
+            return True
+        resumed = [int(step) for step in RESUMED.findall(job.output())]
+        return len(resumed) >= len(faults) and seen[-1] > resumed[len(faults) - 1]
 
     try:
-        for number in range(args.faults):
-            seen = checkpoint_steps(root)
-            while not seen or (faults and seen[-1] <= faults[-1]["step"]):  # a checkpoint since the last fault
-                if proc.poll() is not None:
-                    if proc.returncode == 0:
-                        raise RuntimeError(f"the run finished before fault {number + 1}: give it more steps")
-                    proc = relaunch(proc.returncode)
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no new checkpoint within --timeout {args.timeout:.0f} s")
-                time.sleep(0.1)
-                seen = checkpoint_steps(root)
-            time.sleep(rng.uniform(0.0, span / (args.faults + 1)))  # all K within the training, on average
-            kind, targets = rng.choice(args.kinds), workers(proc, args.launcher)
-            if not targets:
-                continue  # it ended meanwhile: the loop above relaunches or reports
-            target = targets[rng.randrange(len(targets))]
-            os.kill(target, {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hang": signal.SIGSTOP}[kind])
-            if kind == "term" and args.launcher == "torchrun":
-                os.kill(proc.pid, signal.SIGTERM)  # the agent: a preemption of the whole job
-            faults.append({"kind": kind, "target": target, "t": time.monotonic() - start, "step": seen[-1]})
-        while proc.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
-            proc = relaunch(proc.returncode)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the faulted job did not finish within --timeout {args.timeout:.0f} s") from None
-    finally:  # on a failure: torchrun's workers run in sessions of their own, a frozen one included
-        for pid in [*workers(proc, args.launcher), proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    return faults
+        for number, fault in enumerate(schedule, 1):
+            while True:
+                while not back():
+                    if (status := job.poll()) is not None:
+                        if status == 0:
+                            raise RuntimeError(f"the run finished before fault {number}: give it more steps")
+                        relaunch(status)
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no new checkpoint within --timeout {timeout:.0f} s")
+                    time.sleep(0.1)
+                time.sleep(fault.delay * span / (len(schedule) + 1))  # all K within the training, on average
+                before = checkpoint_steps(job.root)
+                target = job.inject(fault, min(deadline, time.monotonic() + span))
+                if target is not None:
+                    break  # else it ended meanwhile (or a `save` saw no write in time): again once it is back
+            faults.append({"kind": fault.kind, "target": target, "t": time.monotonic() - start, "step": before[-1]})
+        while (status := job.poll()) != 0:
+            if status is not None:
+                relaunch(status)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the faulted job did not finish within --timeout {timeout:.0f} s")
+            time.sleep(0.2)
+    finally:  # on a failure, and the frozen worker of a hang that torchrun gave up on
+        job.stop()
+    return faults, time.monotonic() - start
 
 
-def first_difference(a: Any, b: Any, where: str = "") -> str | None:
-    """The path of the first entry where two checkpoint trees differ (tensors bit for bit), or None."""
+def first_difference(a: Any, b: Any, where: str = "", rtol: float = 0.0) -> str | None:
+    """The path of the first entry where two checkpoint trees differ (tensors bit for bit, or within ``rtol``),
+    or None."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-        return None if same and torch.equal(a, b) else where
+        if same and (torch.equal(a, b) or (rtol > 0 and a.is_floating_point() and torch.allclose(a, b, rtol=rtol))):
+            return None
+        return where
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b), key=str):
             if key not in a or key not in b:
                 return f"{where}/{key}"
-            if (found := first_difference(a[key], b[key], f"{where}/{key}")) is not None:
+            if (found := first_difference(a[key], b[key], f"{where}/{key}", rtol)) is not None:
                 return found
         return None
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         if len(a) != len(b):
             return where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            if (found := first_difference(x, y, f"{where}[{i}]")) is not None:
+            if (found := first_difference(x, y, f"{where}[{i}]", rtol)) is not None:
                 return found
         return None
+    if isinstance(a, float) and isinstance(b, float) and rtol > 0:
+        return None if math.isclose(a, b, rel_tol=rtol) else where
     return None if a == b else where
 
 
-def compare(reference: Path, faulted: Path) -> str | None:
-    """The first differing entry of the two runs' ``last.ckpt``: global_step, weights, optimizer, schedulers."""
+def compare_scalars(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
+    """The first TensorBoard scalar (tag and step) where the runs differ: the last value logged at each step
+    (a resumed run logs the steps it redoes again), timing scalars left out; None when they agree."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(run: Path) -> dict[str, dict[int, float]]:
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        acc.Reload()
+        found: dict[str, dict[int, float]] = {}
+        for tag in acc.Tags().get("scalars", []):
+            if not any(t in tag for t in TIMING_SCALARS):
+                found[tag] = {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}
+        return found
+
+    a, b = scalars(reference), scalars(faulted)
+    for tag in sorted(set(a) | set(b)):
+        for step in sorted(set(a.get(tag, {})) | set(b.get(tag, {}))):
+            x, y = a.get(tag, {}).get(step), b.get(tag, {}).get(step)
+            if x is None or y is None or not (x == y or (rtol > 0 and math.isclose(x, y, rel_tol=rtol))):
+                return f"tensorboard/{tag} at step {step} ({x} vs {y})"
+    return None
+
+
+def compare(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
+    """The first differing entry of the two runs: ``last.ckpt``'s global_step, weights, optimizer and schedulers,
+    then the TensorBoard scalars."""
     a, b = (
         torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
         for r in (reference, faulted)
     )
     for key in ("global_step", "state_dict", "optimizer_states", "lr_schedulers"):
-        if (found := first_difference(a.get(key), b.get(key), key)) is not None:
+        if (found := first_difference(a.get(key), b.get(key), key, rtol)) is not None:
             return found
-    return None
-
-
-def run_reference(cmd: list[str], env: dict, root: Path, timeout: float) -> float | None:
-    """Runs the uninterrupted job; returns the seconds from its first step checkpoint to its end (the part of
-    a run that faults may hit), or None when it failed."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    start, first = time.monotonic(), None
-    try:
-        while proc.poll() is None:
-            if first is None and checkpoint_steps(root):
-                first = time.monotonic()
-            if time.monotonic() - start > timeout:
-                return None
-            time.sleep(0.1)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return None if proc.returncode != 0 else time.monotonic() - (first or start)
+    return compare_scalars(reference, faulted, rtol)
 
 
 def chaos_main(argv: list[str]) -> int:
@@ -223,30 +430,48 @@ def chaos_main(argv: list[str]) -> int:
     except UsageError as e:
         print(f"lit-ddp: error: {e}", file=sys.stderr)
         return UsageError.exit_code
+    schedule = plan(args.seed, args.faults, args.kinds)
     print(f"lit-ddp chaos: seed {args.seed} (--seed {args.seed} replays it); run directories under {args.root}")
-    rng = random.Random(args.seed)
+    print("schedule: " + ", ".join(f"{f.kind} (delay {f.delay:.2f}, target {f.target:.2f})" for f in schedule))
     reference = args.reference or args.root / "reference"
-    # seconds of training between the first checkpoint and the end (a guess when the reference is given)
-    span: float | None = 30.0
+    took: tuple[float, float] | None = None
     if args.reference is None:
-        span = run_reference(*command(args, fit, reference, faulted=False), reference, args.timeout)
-        if span is None:
-            print("lit-ddp chaos: the uninterrupted run failed", file=sys.stderr)
+        ref_job = Job(args, fit, reference, faulted=False)
+        took = run_reference(ref_job, args.timeout)
+        if took is None:
+            print(f"lit-ddp chaos: the uninterrupted run failed; its output: {ref_job.log}", file=sys.stderr)
             return 1
     if not (reference / "checkpoints" / "last.ckpt").is_file():
         print(f"lit-ddp: error: {reference} holds no checkpoints/last.ckpt", file=sys.stderr)
         return UsageError.exit_code
+    if not checkpoint_steps(reference):
+        print(
+            f"lit-ddp: error: the run writes no step checkpoint ({reference}/checkpoints/*step=N*.ckpt) before its end, "
+            "so no fault could come: add --config configs/checkpoint/fault_tolerant.yaml or "
+            "--checkpoint.every_n_train_steps N",
+            file=sys.stderr,
+        )
+        return UsageError.exit_code
+    job = Job(args, fit, args.root / "faulted", faulted=True)
+    span = took[1] if took else 30.0  # a guess when the reference is given
     try:
-        faults = run_faulted(args, fit, args.root / "faulted", rng, span or 30.0)
+        faults, seconds = run_faulted(job, schedule, span, args.timeout)
     except RuntimeError as e:
         print(f"lit-ddp chaos: {e}", file=sys.stderr)
         return 1
-    print(f"{'fault':>5s}  {'kind':5s} {'target pid':>10s} {'at s':>7s} {'newest checkpoint before':>25s}")
-    for i, f in enumerate(faults, 1):
-        print(f"{i:5d}  {f['kind']:5s} {f['target']:10d} {f['t']:7.1f} {'step ' + str(f['step']):>25s}")
-    difference = compare(reference, args.root / "faulted")
+    resumed = [int(step) for step in RESUMED.findall(job.output())]
+    print(f"{'fault':>5s}  {'kind':5s} {'target':>22s} {'at s':>7s} {'checkpoint before':>18s} {'resumed from':>13s}")
+    for i, f in enumerate(faults):
+        back = f"step {resumed[i]}" if i < len(resumed) else "-"
+        print(
+            f"{i + 1:5d}  {f['kind']:5s} {f['target']:>22s} {f['t']:7.1f} {'step ' + str(f['step']):>18s} {back:>13s}"
+        )
+    if took:
+        print(f"the faults cost {seconds - took[0]:.1f} s ({seconds:.1f} s against {took[0]:.1f} s uninterrupted)")
+    difference = compare(reference, args.root / "faulted", args.rtol)
     if difference is None:
-        print(f"identical: the faulted run ends bit for bit where the uninterrupted one does ({len(faults)} faults)")
+        how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"
+        print(f"identical: the faulted run ends {how} where the uninterrupted one does ({len(faults)} faults)")
         return 0
     print(f"DIFFERENT: first at {difference}")
     return 1

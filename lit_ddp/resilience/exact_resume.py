@@ -41,11 +41,13 @@ class ExactResume(Callback):
     """Saves every rank's RNG states and train-loader position; restores each rank's own on resume.
 
     On save (on every rank, inside ``trainer.save_checkpoint``), the RNG states of torch, CUDA, numpy and
-    Python and the train loaders' ``state_dict()`` of all ranks are gathered into the checkpoint under
+    Python, the train loaders' ``state_dict()`` and the torchmetrics states (an epoch's running sums,
+    :func:`metric_states`) of all ranks are gathered into the checkpoint under
     ``"exact_resume"`` (one ``all_gather_object``; the checkpoint is still written by rank zero only). On
     resume:
 
     - each rank's loader state replaces rank zero's in the restored fit loop;
+    - on a mid-epoch resume each rank's metrics continue from their saved sums (same world size only);
     - at ``on_train_start`` of a mid-epoch resume, the samplers get the resumed epoch (``set_epoch``) and the
       loader iterator is rebuilt from the saved state, which also repairs the
       ``estimated_stepping_batches`` trap;
@@ -79,6 +81,7 @@ class ExactResume(Callback):
     def __init__(self, purge_tensorboard: bool = True) -> None:
         self.purge_tensorboard = purge_tensorboard
         self._rng_states: dict[str, Any] | None = None
+        self._metric_states: dict[str, dict[str, Any]] | None = None
         self._loader_states: list[dict[str, Any]] | None = None
         self._saved_global_batch: int | None = None
         self._purge_pending = False
@@ -93,6 +96,7 @@ class ExactResume(Callback):
         local = {
             "rng": collect_rng_states(trainer.strategy.root_device),
             "train_loaders": compat.train_loader_states(trainer),
+            "metrics": metric_states(pl_module),
         }
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             per_rank: list[Any] = [None] * dist.get_world_size()
@@ -136,6 +140,8 @@ class ExactResume(Callback):
             )
         mine = per_rank[trainer.global_rank % len(per_rank)]
         self._rng_states = mine["rng"]
+        # Another world size: another rank's running sums would count its batches twice (or never).
+        self._metric_states = mine.get("metrics") if len(per_rank) == trainer.world_size else None
         fit_state = checkpoint.get("loops", {}).get("fit_loop")
         if mine["train_loaders"] and fit_state is not None:
             fit_state["combined_loader"] = mine["train_loaders"]
@@ -184,6 +190,9 @@ class ExactResume(Callback):
             if saved is not None and saved != now and len(self._loader_states) == 1:
                 count_the_epoch_in_samples(trainer, self._loader_states, saved)
         self._loader_states = None
+        if self._metric_states and fit_loop.restarted_mid_epoch:  # the epoch's running sums go on
+            restore_metric_states(pl_module, self._metric_states)
+        self._metric_states = None
         self._resumed_mid_epoch = fit_loop.restarted_mid_epoch
         # After a checkpoint from on_train_epoch_end the next epoch's first batch logs where the saved epoch's last
         # left off (Lightning adds one to it, or not, depending on where validation ran).
@@ -216,6 +225,42 @@ class ExactResume(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._in_train_batch = False
+
+
+def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """The state of every torchmetrics ``Metric`` in ``module`` (by module name), on the CPU. A metric logged per
+    epoch (``self.log("train/loss", metric, on_epoch=True)``) sums its batches on each rank until the epoch ends;
+    Lightning's checkpoint holds none of it (torchmetrics states are not persistent), so a mid-epoch resume
+    would log an epoch value over the batches since the resume only."""
+    from torchmetrics import Metric
+
+    return {
+        name: {attr: _to_device(value, torch.device("cpu")) for attr, value in metric.metric_state.items()}
+        for name, metric in module.named_modules()
+        if isinstance(metric, Metric)
+    }
+
+
+def restore_metric_states(module: torch.nn.Module, states: dict[str, dict[str, Any]]) -> None:
+    """Sets each ``Metric`` of ``module`` named in ``states`` (:func:`metric_states`) back to its saved state,
+    on the module's device."""
+    from torchmetrics import Metric
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    modules = dict(module.named_modules())
+    for name, state in states.items():
+        metric = modules.get(name)
+        if isinstance(metric, Metric):
+            for attr, value in state.items():
+                setattr(metric, attr, _to_device(value, device))
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device)
+    if isinstance(value, list):  # a "cat" state: one tensor per update
+        return [_to_device(v, device) for v in value]
+    return value
 
 
 def global_batch(trainer: Trainer) -> int | None:

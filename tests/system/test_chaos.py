@@ -1,4 +1,4 @@
-"""``lit-ddp chaos`` (issue 23, first part): faults from outside at moments drawn from a seed, and the
+"""``lit-ddp chaos`` (issue 23): faults from outside at moments drawn from a seed, and the
 verdict of a bit-for-bit comparison with an uninterrupted run; it also catches a run that does not resume
 exactly. Its bad uses: ``tests/unit/launch/test_chaos.py``."""
 
@@ -19,20 +19,53 @@ REGRESSION = [
 ]
 
 
+def fault_table(stdout: str) -> list[list[str]]:
+    """The rows of chaos's fault table: number, kind, target..., at s, checkpoint step, resumed-from step."""
+    lines = stdout.split("resumed from")[1].splitlines()[1:]
+    return [line.split() for line in lines if line.strip() and line.split()[0].isdigit()]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner, seed: int) -> None:
-    """Two faults, a SIGKILL of a worker or a SIGTERM of the job, drawn from the seed: the tool exits 0 with a
-    line per fault and the verdict. (A frozen worker, ``--kinds hang``, costs a minute: the hung-worker tests of
-    ``test_regression_cli.py`` and ``test_slurm_multinode.py`` cover it.)"""
-    cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "2", "--kinds", "kill",
-                  "term", "--seed", str(seed), "--root", str(tmp_path), "--", *REGRESSION)  # fmt: skip
+    """Five faults, one of each kind torchrun takes, in an order and at moments drawn from the seed: a worker
+    SIGKILLed, the job SIGTERMed (relaunched), a worker frozen (the collective timeout, 20 s, then torchrun's
+    30 s), the agent and its workers SIGKILLed at once (relaunched), the writer of a checkpoint SIGKILLed the
+    moment its temporary file appears. The tool exits 0 with a line per fault, each naming the step the job
+    resumed from, no earlier than the checkpoint before the fault, and the verdict."""
+    cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "5", "--kinds", "kill",
+                  "term", "hang", "node", "save", "--seed", str(seed), "--root", str(tmp_path), "--", *REGRESSION)  # fmt: skip
     result = runner.run(cmd, timeout=540)
-    assert result.returncode == 0, result.stdout[-6000:]
+    assert result.returncode == 0, result.stdout[-6000:] + (tmp_path / "faulted.log").read_text()[-6000:]
     assert f"seed {seed}" in result.stdout and "identical: the faulted run ends bit for bit" in result.stdout
-    table = result.stdout.split("newest checkpoint before")[1].splitlines()[1:3]
-    assert [line.split()[0] for line in table] == ["1", "2"], result.stdout[-3000:]
+    rows = fault_table(result.stdout)
+    assert sorted(row[1] for row in rows) == ["hang", "kill", "node", "save", "term"], result.stdout[-3000:]
+    for row in rows:  # ... step S (checkpoint before) step R (resumed from)
+        before, resumed = int(row[-3]), int(row[-1])
+        assert resumed >= before, row
+    assert "the faults cost" in result.stdout
+
+
+@pytest.mark.slurm
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_chaos_under_slurm_finds_the_run_exact(tmp_path: Path, runner: Runner, seed: int) -> None:
+    """``--launcher slurm`` on the two-node local cluster, one task per node, through slurm/train.sbatch: the
+    job's USR1 warning (saved, requeued by the script) and a kill of its tasks (the job fails; the tool submits
+    it again, as an operator would), in an order drawn from the seed: bit-identical, exit 0."""
+    from tests.system.helpers_slurm import require_cluster, slurm_env
+
+    require_cluster(nodes=2)
+    fit = ["--config", "configs/regression/slurm.yaml", *compose("checkpoint/fault_tolerant")]
+    fit += ["--trainer.max_epochs", "150", "--trainer.enable_model_summary", "false"]
+    cmd = lit_ddp("chaos", "--launcher", "slurm", "--nodes", "2", "--nproc_per_node", "1", "--faults", "2",
+                  "--kinds", "usr1", "kill", "--seed", str(seed), "--root", str(tmp_path), "--", *fit)  # fmt: skip
+    result = runner.run(cmd, timeout=540, **{k: v for k, v in slurm_env().items() if k.startswith("LIT_DDP")})
+    outputs = "".join(p.read_text() for p in sorted(tmp_path.glob("faulted-*.out")))
+    assert result.returncode == 0, result.stdout[-4000:] + outputs[-4000:]
+    assert sorted(row[1] for row in fault_table(result.stdout)) == ["kill", "usr1"], result.stdout[-3000:]
+    assert "requeueing" in outputs and "identical: the faulted run ends bit for bit" in result.stdout
 
 
 @pytest.mark.slow
@@ -40,12 +73,12 @@ def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner
 @pytest.mark.timeout(300)
 def test_chaos_catches_a_run_that_does_not_resume_exactly(tmp_path: Path, runner: Runner, seed: int) -> None:
     """One process, a callback (by class path, as a user's would be) that changes a weight when the fit resumes:
-    one kill, and the tool exits 1 naming the first differing tensor."""
+    one kill of the process as it writes a checkpoint, and the tool exits 1 naming the first differing tensor."""
     nudge = write_callbacks_config(tmp_path / "nudge.yaml", callback(NudgeOnResume))
     fit = [*compose("regression/single_device", "checkpoint/fault_tolerant"), "--config", str(nudge)]
     fit += ["--trainer.max_epochs", "80", "--trainer.devices", "1"]
     cmd = lit_ddp(
-        "chaos", "--faults", "1", "--kinds", "kill", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit
+        "chaos", "--faults", "1", "--kinds", "save", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit
     )
     result = runner.run(cmd, timeout=240)
     assert result.returncode == 1, result.stdout[-6000:]

@@ -1,5 +1,5 @@
-"""``lit-ddp chaos``'s bad uses (one ``lit-ddp: error:`` line, status 2) and its checkpoint comparison; whole runs
-under faults: ``tests/system/test_chaos.py``."""
+"""``lit-ddp chaos``'s bad uses (one ``lit-ddp: error:`` line, status 2), its schedule and its comparisons; whole
+runs under faults: ``tests/system/test_chaos.py``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 from lit_ddp.cli import cli_main
-from lit_ddp.launch.chaos import first_difference
+from lit_ddp.launch.chaos import compare_scalars, first_difference, plan
 
 FIT = ["--", "--config", "configs/regression/single_device.yaml"]
 
@@ -20,7 +21,9 @@ FIT = ["--", "--config", "configs/regression/single_device.yaml"]
         (["--faults", "2"], "needs the run's fit arguments after `--`"),
         (["--faults", "2", "--"], "needs the run's fit arguments after `--`"),
         (["--faults", "0", *FIT], "--faults 0: give at least 1"),
-        (["--kinds", "hang", *FIT], "--kinds hang needs --launcher torchrun"),
+        (["--kinds", "hang", *FIT], "--kinds hang: --launcher single injects kill, term, save (one process has no"),
+        (["--launcher", "torchrun", "--kinds", "kill", "usr1", *FIT], "--kinds usr1: --launcher torchrun injects"),
+        (["--rtol", "-1", *FIT], "--rtol -1.0: give 0 (bit for bit) or a positive"),
     ],
 )
 def test_bad_use_gets_one_line_and_status_2(argv: list[str], says: str, capsys: pytest.CaptureFixture) -> None:
@@ -31,6 +34,26 @@ def test_bad_use_gets_one_line_and_status_2(argv: list[str], says: str, capsys: 
     assert err.count("lit-ddp: error:") == 1 and says in err, err
 
 
+def test_slurm_without_sbatch_is_named(tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without Slurm's commands
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["chaos", "--launcher", "slurm", *FIT])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("lit-ddp: error:") == 1
+    assert "--launcher slurm needs Slurm's sbatch on PATH (none here)" in err, err
+
+
+def test_a_run_without_step_checkpoints_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A finished run whose only checkpoint is last.ckpt (no periodic saves): no fault could come before its end."""
+    (tmp_path / "ref" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "ref" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["chaos", "--root", str(tmp_path / "c"), "--reference", str(tmp_path / "ref"), *FIT])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("lit-ddp: error:") == 1
+    assert "writes no step checkpoint" in err and "--checkpoint.every_n_train_steps N" in err, err
+
+
 def test_an_earlier_faulted_run_is_not_reused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "faulted").mkdir()
     with pytest.raises(SystemExit) as exit_:
@@ -38,10 +61,34 @@ def test_an_earlier_faulted_run_is_not_reused(tmp_path: Path, capsys: pytest.Cap
     assert exit_.value.code == 2 and "exists (an earlier chaos run)" in capsys.readouterr().err
 
 
+def test_the_same_seed_plans_the_same_faults(seed: int) -> None:
+    """Same seed, same schedule: kinds, delays and targets; K faults of K kinds inject every kind once."""
+    kinds = ["kill", "term", "hang", "node", "save"]
+    assert plan(seed, 7, kinds) == plan(seed, 7, kinds)
+    assert plan(seed, 7, kinds) != plan(seed + 1, 7, kinds)
+    assert sorted(f.kind for f in plan(seed, 5, kinds)) == sorted(kinds)
+    assert all(0 <= f.delay < 1 and 0 <= f.target < 1 for f in plan(seed, 7, kinds))
+
+
 def test_first_difference_names_the_entry() -> None:
     a = {"state_dict": {"net.weight": torch.zeros(2), "net.bias": torch.ones(1)}, "global_step": 5}
     assert first_difference(a, {**a}) is None
     nudged = {"state_dict": {**a["state_dict"], "net.bias": torch.ones(1) + 1e-7}, "global_step": 5}
     assert first_difference(a, nudged) == "/state_dict/net.bias"
+    assert first_difference(a, nudged, rtol=1e-5) is None  # --rtol: a run that cannot be exact
     assert first_difference([1, {"lr": 0.1}], [1, {"lr": 0.2}]) == "[1]/lr"
     assert first_difference(torch.zeros(2), torch.zeros(3)) == ""
+
+
+def test_compare_scalars_names_the_first_differing_point(tmp_path: Path) -> None:
+    """The last value at each step counts (a resumed run logs the steps it redoes again); timing scalars differ
+    between any two runs and are left out."""
+    for name, losses, redo in (("a", [3.0, 2.0, 1.0], None), ("b", [3.0, 2.0, 1.0], 9.0), ("c", [3.0, 2.5, 1.0], None)):
+        with SummaryWriter(str(tmp_path / name)) as writer:
+            for step, loss in enumerate(losses):
+                writer.add_scalar("train/loss", loss if redo is None or step != 1 else redo, step)
+                writer.add_scalar("train/tokens_per_sec", 1000.0 + ord(name), step)
+            if redo is not None:  # a resume from step 1 logs step 1 again, now right
+                writer.add_scalar("train/loss", losses[1], 1)
+    assert compare_scalars(tmp_path / "a", tmp_path / "b") is None
+    assert compare_scalars(tmp_path / "a", tmp_path / "c") == "tensorboard/train/loss at step 1 (2.0 vs 2.5)"

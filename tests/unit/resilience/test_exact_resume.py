@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from lit_ddp.resilience.exact_resume import collect_rng_states, restore_rng_states
+from lit_ddp.resilience.exact_resume import (
+    collect_rng_states,
+    metric_states,
+    restore_metric_states,
+    restore_rng_states,
+)
 
 
 def test_cpu_states_roundtrip() -> None:
@@ -58,3 +63,31 @@ def test_an_every_gpu_checkpoint_resumes_on_fewer_gpus(monkeypatch: pytest.Monke
     restore_rng_states(old, torch.device("cuda", 0), local_rank=5)
     [(state, device)] = fake.set_calls
     assert device.index == 0 and torch.equal(state, torch.full((4,), 5, dtype=torch.uint8))
+
+
+def test_an_epoch_metric_continues_from_its_saved_sums() -> None:
+    """A metric logged per epoch, saved mid-epoch and restored into a fresh module, ends the epoch with the value
+    of the uninterrupted one (Lightning's checkpoint holds no torchmetrics state)."""
+    from torchmetrics import MeanSquaredError
+
+    def module() -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.net, m.train_mse = torch.nn.Linear(1, 1), MeanSquaredError()
+        return m
+
+    batches = [(torch.randn(8), torch.randn(8)) for _ in range(4)]
+    uninterrupted, first, resumed = module(), module(), module()
+    for pred, target in batches:
+        uninterrupted.train_mse.update(pred, target)
+    for pred, target in batches[:2]:
+        first.train_mse.update(pred, target)
+    saved = metric_states(first)
+    assert set(saved) == {"train_mse"} and all(v.device.type == "cpu" for v in saved["train_mse"].values())
+    restore_metric_states(resumed, saved)
+    for pred, target in batches[2:]:
+        resumed.train_mse.update(pred, target)
+    assert torch.equal(resumed.train_mse.compute(), uninterrupted.train_mse.compute())
+    fresh = module()  # what a resume without the saved sums ends the epoch with: the batches since the resume
+    for pred, target in batches[2:]:
+        fresh.train_mse.update(pred, target)
+    assert not torch.equal(fresh.train_mse.compute(), uninterrupted.train_mse.compute())
