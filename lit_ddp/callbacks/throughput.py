@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_ddp import compat
@@ -22,7 +23,9 @@ class TokenThroughputMonitor(ThroughputMonitor):
     writes (``trainer.log_every_n_steps``): Lightning's ThroughputMonitor reads it after every batch and,
     on CUDA, calls ``torch.cuda.synchronize()`` before each read, a host stall per step that a plain loop
     does not pay. Rates are averaged over the last ``window_size`` logging intervals; validation batches
-    are timed as Lightning does it.
+    are timed as Lightning does it. The training counts (``train/batches``, ``train/samples``,
+    ``train/lengths``, rank zero's) go into checkpoints and go on after a resume, where Lightning's start again
+    from 0.
 
     Args:
         available_flops: peak FLOP/s of one device (one process); None: Lightning's table (GPUs only).
@@ -41,6 +44,18 @@ class TokenThroughputMonitor(ThroughputMonitor):
         )
         self._available_flops_override = available_flops
         self._flops_since_update = 0
+        self._resumed_counts: dict[str, int] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        stage = RunningStage.TRAINING
+        return {
+            "batches": self._batches.get(stage, 0),
+            "samples": self._samples.get(stage, 0),
+            "lengths": self._lengths.get(stage, 0),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed_counts = dict(state_dict)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -52,12 +67,17 @@ class TokenThroughputMonitor(ThroughputMonitor):
 
     @rank_zero_only
     def on_train_start(self, trainer: Trainer, *args: Any) -> None:
-        super().on_train_start(trainer, *args)
+        super().on_train_start(trainer, *args)  # counts from 0
         self._flops_since_update = 0
-        # The start is the window's first point, so rates appear from the first logging step on, after a
-        # resume too: TensorBoard then shows the same throughput steps as an uninterrupted run.
         stage = trainer.state.stage
         assert stage is not None
+        if self._resumed_counts is not None:  # a resumed run goes on counting where the checkpoint was
+            self._batches[stage] = self._resumed_counts["batches"]
+            self._samples[stage] = self._resumed_counts["samples"]
+            self._lengths[stage] = self._resumed_counts["lengths"]
+            self._resumed_counts = None
+        # The start is the window's first point, so rates appear from the first logging step on, after a
+        # resume too: TensorBoard then shows the same throughput steps as an uninterrupted run.
         self._throughputs[stage].update(
             time=0.0,
             batches=self._batches[stage],

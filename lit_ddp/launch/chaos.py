@@ -22,7 +22,7 @@ injected from outside, then compares the two final checkpoints bit for bit.
   after the job came back (it resumed, as its "Resumed from" line says, and saved a step checkpoint since).
 - The comparison: ``global_step``, the weights, the optimizer and learning-rate scheduler states of the two
   ``last.ckpt``, every tensor bit for bit (``--rtol`` for runs that cannot be exact), then the TensorBoard
-  scalars (the last value logged at each step; timing scalars such as tokens/s left out). Printed: one line
+  scalars (the last value logged at each step; timing scalars such as tokens/s, MFU, time left out). Printed: one line
   per fault (kind, target, seconds into the run, the newest checkpoint's step before it, the step the job
   resumed from after it), the seconds the faults cost, then the verdict and the first differing entry.
 
@@ -64,7 +64,7 @@ CKPT_STEP = re.compile(r"step=(\d+)")
 RESUMED = re.compile(r"Resumed from \S+ at global_step (\d+)")
 SBATCH_SCRIPT = Path("slurm/train.sbatch")
 # Scalars that measure the machine, not the training: they differ between any two runs.
-TIMING_SCALARS = ("per_sec", "tokens/s", "throughput", "time")
+TIMING_SCALARS = ("per_sec", "tokens/s", "mfu", "time")
 
 
 @dataclass(frozen=True)
