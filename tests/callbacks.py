@@ -177,29 +177,6 @@ class KillAtSteps(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class PauseAtSteps(Callback):
-    """On rank ``rank``, before optimizer step ``steps[i] + 1`` of the i-th attempt, writes
-    ``<state_dir>/paused_<i>`` (its pid) and waits to be killed by the test (``os._exit(3)`` after
-    ``max_wait`` seconds, so a broken test cannot leave it behind).
-
-    Args:
-        steps: the global step at which to wait, one per attempt.
-        state_dir: where ``paused_<i>`` files are written; the test writes ``killed_<i>`` after killing.
-        rank: the global rank that waits.
-        max_wait: seconds before giving up.
-    """
-
-    def __init__(self, steps: list[int], state_dir: str, rank: int = 1, max_wait: float = 120.0) -> None:
-        self.steps, self.state_dir, self.rank, self.max_wait = list(steps), state_dir, rank, max_wait
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        i = _kills_so_far(self.state_dir)
-        if trainer.global_rank == self.rank and i < len(self.steps) and trainer.global_step == self.steps[i]:
-            _write(self.state_dir, f"paused_{i}", f"{os.getpid()} {trainer.global_step}")
-            _sleep(self.max_wait)
-            os._exit(3)
-
-
 class PauseForSignal(Callback):
     """On the first run of a Slurm job only, stops every rank after training step ``step`` and waits there.
 

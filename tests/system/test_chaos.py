@@ -1,6 +1,7 @@
 """``lit-ddp chaos`` (issue 23): faults from outside at moments drawn from a seed, and the
 verdict of a bit-for-bit comparison with an uninterrupted run; it also catches a run that does not resume
-exactly. Its bad uses: ``tests/unit/launch/test_chaos.py``."""
+exactly. The project's torchrun restart tests go through it (the regression with every kind, minGPT with kills
+of a worker and of a checkpoint's writer). Its bad uses: ``tests/unit/launch/test_chaos.py``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.callbacks import NudgeOnResume
 from tests.helpers import Runner, callback, compose, lit_ddp, write_callbacks_config
+from tests.system.test_fault_tolerance import mingpt_args
 
 # 80 epochs of 28 steps on 2 processes (about 20 s here), a checkpoint every 50 steps.
 REGRESSION = [
@@ -45,6 +47,26 @@ def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner
         before, resumed = int(row[-3]), int(row[-1])
         assert resumed >= before, row
     assert "the faults cost" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_chaos_under_torchrun_finds_mingpt_exact(tmp_path: Path, runner: Runner, seed: int) -> None:
+    """minGPT (AdamW + Muon, warmup and cosine, dropout, validation every 5 steps, the throughput monitor) on a tiny
+    text under torchrun: a worker SIGKILLed and a checkpoint's writer SIGKILLed mid-write, at moments drawn from
+    the seed; the weights, optimizer and scheduler states and every TensorBoard scalar end bit-identical."""
+    from lit_ddp.data.sources import read_embedded_text
+
+    tiny_text = tmp_path / "tiny.txt"
+    tiny_text.write_text(read_embedded_text()[:6000])
+    fit = mingpt_args(60, 5, tiny_text)
+    cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "2", "--kinds", "kill",
+                  "save", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit)  # fmt: skip
+    result = runner.run(cmd, timeout=360)
+    assert result.returncode == 0, result.stdout[-6000:] + (tmp_path / "c" / "faulted.log").read_text()[-6000:]
+    assert sorted(row[1] for row in fault_table(result.stdout)) == ["kill", "save"], result.stdout[-3000:]
+    assert "identical: the faulted run ends bit for bit" in result.stdout
 
 
 @pytest.mark.slurm
