@@ -173,8 +173,8 @@ def writer_of_temporary_checkpoint(root: Path, pids: list[int], deadline: float)
         for folder in folders:
             with contextlib.suppress(OSError):
                 for name in os.listdir(folder):
-                    if name.startswith(".") and name.endswith(".tmp"):
-                        path = str(folder / name)
+                    if name.startswith(".") and name.endswith(".tmp") and ".ckpt." in name:
+                        path = os.path.abspath(folder / name)  # as /proc/PID/fd links name it
                         for pid in pids:
                             with contextlib.suppress(OSError):
                                 for fd in os.listdir(f"/proc/{pid}/fd"):

@@ -92,3 +92,21 @@ def test_compare_scalars_names_the_first_differing_point(tmp_path: Path) -> None
                 writer.add_scalar("train/loss", losses[1], 1)
     assert compare_scalars(tmp_path / "a", tmp_path / "b") is None
     assert compare_scalars(tmp_path / "a", tmp_path / "c") == "tensorboard/train/loss at step 1 (2.0 vs 2.5)"
+
+
+def test_the_writer_of_a_checkpoint_is_found_under_a_relative_run_directory(tmp_path: Path, monkeypatch) -> None:
+    """``save`` faults find the process holding a checkpoint's temporary file open; the run directory may be given
+    relative (the default ``runs/chaos/<seed>``) while /proc names files absolutely. The run lock's own temporary
+    file is not a checkpoint."""
+    import os
+    import time
+
+    from lit_ddp.launch.chaos import writer_of_temporary_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    root = Path("runs/faulted")
+    (root / "checkpoints").mkdir(parents=True)
+    with open(root / "..lit_ddp.holder.json.x1.tmp", "w"):
+        assert writer_of_temporary_checkpoint(root, [os.getpid()], time.monotonic() + 0.2) is None
+    with open(root / "checkpoints" / ".epoch=0-step=5.ckpt.ab12.tmp", "w"):
+        assert writer_of_temporary_checkpoint(root, [os.getpid()], time.monotonic() + 5) == os.getpid()
