@@ -2,7 +2,7 @@
 injected from outside, then compares the two final checkpoints bit for bit.
 
     lit-ddp chaos [--launcher single|torchrun|slurm] [--nproc_per_node N] [--nodes N] [--faults K]
-                  [--kinds kill term hang node save usr1] [--seed S] [--root DIR] [--reference DIR] [--rtol R]
+                  [--kinds kill term hang node save validation usr1] [--seed S] [--root DIR] [--reference DIR] [--rtol R]
                   -- <the arguments of lit-ddp fit>
 
 - ``single``: ``lit-ddp fit ARGS`` in one process; after each fault the tool runs the same command again, as
@@ -15,7 +15,9 @@ injected from outside, then compares the two final checkpoints bit for bit.
   ``term`` (SIGTERM of the job, a preemption or ``scancel``: the run saves at a step boundary and exits 143),
   ``hang`` (SIGSTOP of one worker, torchrun only: the others fail at the collective timeout, which the tool
   sets to 20 s), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine),
-  ``save`` (SIGKILL of the process writing a checkpoint, the moment its temporary file appears), ``usr1``
+  ``save`` (SIGKILL of the process writing a checkpoint, the moment its temporary file appears),
+  ``validation`` (SIGKILL of one worker, under Slurm of the job's tasks, while a validation runs: the tool adds
+  :class:`~lit_ddp.launch.phase_probe.PhaseProbe` to both runs to see when), ``usr1``
   (``scancel --signal=USR1``, Slurm only: the time limit's warning, save and requeue). The schedule (each
   fault's kind, delay and target rank) is drawn from ``--seed`` before the run (printed: the same seed replays
   the same schedule); a fault comes only once the run directory holds a step checkpoint, and the next one only
@@ -27,54 +29,33 @@ injected from outside, then compares the two final checkpoints bit for bit.
   resumed from after it), the seconds the faults cost, then the verdict and the first differing entry.
 
 Exit status: 0 identical, 1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
-Not yet here (issue 23): several torchrun agents, a kill timed to a validation, the step each fault hit.
+Not yet here (issue 23): several torchrun agents, the step each fault hit.
 No library does this (torchft's injector checks convergence only), hence our code.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-
+from lit_ddp.launch.chaos_compare import compare
+from lit_ddp.launch.chaos_job import SBATCH_SCRIPT, Fault, Job
 from lit_ddp.launch.errors import UsageError
 
-KINDS = ("kill", "term", "hang", "node", "save", "usr1")
+KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
 # What each launcher can inject: a Slurm job's processes run on other machines, reached through scancel only.
 LAUNCHER_KINDS = {
-    "single": ("kill", "term", "save"),
-    "torchrun": ("kill", "term", "hang", "node", "save"),
-    "slurm": ("kill", "term", "usr1"),
+    "single": ("kill", "term", "save", "validation"),
+    "torchrun": ("kill", "term", "hang", "node", "save", "validation"),
+    "slurm": ("kill", "term", "validation", "usr1"),
 }
-HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
 CKPT_STEP = re.compile(r"step=(\d+)")
 RESUMED = re.compile(r"Resumed from \S+ at global_step (\d+)")
-SBATCH_SCRIPT = Path("slurm/train.sbatch")
-# Scalars that measure the machine, not the training: they differ between any two runs.
-TIMING_SCALARS = ("per_sec", "tokens/s", "mfu", "time")
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One planned fault: its kind, its delay as a fraction of the span between faults, and which of the
-    targets (sorted by rank) it hits, as a fraction of their number."""
-
-    kind: str
-    delay: float
-    target: float
 
 
 def plan(seed: int, faults: int, kinds: list[str]) -> list[Fault]:
@@ -146,141 +127,6 @@ def checkpoint_steps(root: Path) -> list[int]:
         if (match := CKPT_STEP.search(path.name)) is not None:
             steps.append(int(match.group(1)))
     return sorted(steps)
-
-
-def workers(proc: subprocess.Popen, launcher: str) -> list[int]:
-    """The training processes: the process itself (single) or torchrun's children."""
-    if launcher == "single":
-        return [proc.pid] if proc.poll() is None else []
-    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split()]
-
-
-def rank_of(pid: int) -> int:
-    """A worker's ``RANK`` (torchrun's environment; 0 for a process started without one)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return 0
-    return next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), 0)
-
-
-def writer_of_temporary_checkpoint(root: Path, pids: list[int], deadline: float) -> int | None:
-    """The pid among ``pids`` that holds a checkpoint's temporary file open (``.NAME.XXXX.tmp``, AtomicCheckpointIO's,
-    in ``root/checkpoints`` or ``root``), as soon as one appears; None if none did before ``deadline``."""
-    folders = [root / "checkpoints", root]
-    while time.monotonic() < deadline:
-        for folder in folders:
-            with contextlib.suppress(OSError):
-                for name in os.listdir(folder):
-                    if name.startswith(".") and name.endswith(".tmp") and ".ckpt." in name:
-                        path = os.path.abspath(folder / name)  # as /proc/PID/fd links name it
-                        for pid in pids:
-                            with contextlib.suppress(OSError):
-                                for fd in os.listdir(f"/proc/{pid}/fd"):
-                                    with contextlib.suppress(OSError):
-                                        if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
-                                            return pid
-        time.sleep(0.0005)
-    return None
-
-
-class Job:
-    """One run of the fit command under a launcher: started, polled, faulted, started again, its output kept."""
-
-    def __init__(self, args: argparse.Namespace, fit: list[str], root: Path, faulted: bool) -> None:
-        self.args, self.root, self.name = args, root, "faulted" if faulted else "reference"
-        extra = ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
-        if faulted and "hang" in args.kinds:
-            extra += ["--trainer.strategy.init_args.timeout", HANG_TIMEOUT]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.log = args.root / f"{self.name}.log"
-        if args.launcher == "single":
-            self.cmd = [sys.executable, "-m", "lit_ddp", "fit", *fit, *extra]
-        elif args.launcher == "torchrun":
-            self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per restart round (pytorch#135712)
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                        str(args.nproc_per_node), "--max-restarts", str(args.faults), "--monitor-interval", "0.2"]  # fmt: skip
-            self.cmd = [*launcher, "-m", "lit_ddp", "fit", *fit, *extra]
-        else:
-            self.env.setdefault("LIT_DDP_PYTHON", sys.executable)
-            opts = ["--parsable", "--nodes", str(args.nodes), "--ntasks-per-node", str(args.nproc_per_node),
-                    "-J", f"chaos-{args.seed}-{self.name}", "-o", str(args.root / f"{self.name}-%j.out")]  # fmt: skip
-            self.cmd = ["sbatch", *opts, str(SBATCH_SCRIPT), fit[1], *fit[2:], *extra]
-        self.proc: subprocess.Popen | None = None
-        self.job_id = ""
-        self.started = 0
-
-    def start(self) -> None:
-        self.started += 1
-        self.args.root.mkdir(parents=True, exist_ok=True)
-        if self.args.launcher == "slurm":
-            out = subprocess.run(self.cmd, env=self.env, capture_output=True, text=True, timeout=60)
-            if out.returncode != 0:
-                raise RuntimeError(f"sbatch failed: {out.stderr.strip()}")
-            self.job_id = out.stdout.strip().split(";")[0]
-            return
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def poll(self) -> int | None:
-        """None while running (a requeued Slurm job, pending again, included); else 0 or a failure status."""
-        if self.proc is not None:
-            return self.proc.poll()
-        out = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=30)
-        state = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f).get("JobState", "")
-        if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "SUSPENDED", ""):
-            return None if state or out.returncode == 0 else 1
-        return 0 if state == "COMPLETED" else 1
-
-    def targets(self) -> list[tuple[int, int]]:
-        """``(rank, pid)`` of the training processes, by rank (none under Slurm: its tasks are reached by scancel)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return []
-        return sorted((rank_of(pid), pid) for pid in workers(self.proc, self.args.launcher))
-
-    def inject(self, fault: Fault, deadline: float) -> str | None:
-        """Injects ``fault``; returns the target's description, or None when there was none (the job ended)."""
-        if self.args.launcher == "slurm":
-            signame = {"kill": "KILL", "term": "TERM", "usr1": "USR1"}[fault.kind]
-            subprocess.run(["scancel", f"--signal={signame}", self.job_id], capture_output=True, timeout=30)
-            return f"job {self.job_id}"
-        targets = self.targets()
-        if not targets or self.proc is None:
-            return None
-        rank, pid = targets[min(int(fault.target * len(targets)), len(targets) - 1)]
-        if fault.kind == "save":  # the process that writes, the moment its temporary file appears
-            found = writer_of_temporary_checkpoint(self.root, [p for _, p in targets], deadline)
-            if found is None:
-                return None
-            rank, pid = rank_of(found), found
-        if fault.kind == "node":  # the agent and its workers at once, as when the machine goes
-            for victim in [self.proc.pid, *(p for _, p in targets)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(victim, signal.SIGKILL)
-            return f"agent + {len(targets)} workers"
-        signum = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hang": signal.SIGSTOP, "save": signal.SIGKILL}
-        os.kill(pid, signum[fault.kind])
-        if fault.kind == "term" and self.args.launcher == "torchrun":
-            os.kill(self.proc.pid, signal.SIGTERM)  # the agent: a preemption of the whole job
-        return f"rank {rank}"
-
-    def stop(self) -> None:
-        if self.args.launcher == "slurm":
-            if self.job_id:
-                subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
-            return
-        if self.proc is not None:  # torchrun's workers run in sessions of their own, a frozen one included
-            for pid in [*workers(self.proc, self.args.launcher), self.proc.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-    def output(self) -> str:
-        if self.args.launcher == "slurm":
-            return "".join(p.read_text(errors="replace") for p in sorted(self.args.root.glob(f"{self.name}-*.out")))
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
 def run_reference(job: Job, timeout: float) -> tuple[float, float] | None:
@@ -360,69 +206,6 @@ def run_faulted(job: Job, schedule: list[Fault], span: float, timeout: float) ->
     return faults, time.monotonic() - start
 
 
-def first_difference(a: Any, b: Any, where: str = "", rtol: float = 0.0) -> str | None:
-    """The path of the first entry where two checkpoint trees differ (tensors bit for bit, or within ``rtol``),
-    or None."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-        if same and (torch.equal(a, b) or (rtol > 0 and a.is_floating_point() and torch.allclose(a, b, rtol=rtol))):
-            return None
-        return where
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=str):
-            if key not in a or key not in b:
-                return f"{where}/{key}"
-            if (found := first_difference(a[key], b[key], f"{where}/{key}", rtol)) is not None:
-                return found
-        return None
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        if len(a) != len(b):
-            return where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            if (found := first_difference(x, y, f"{where}[{i}]", rtol)) is not None:
-                return found
-        return None
-    if isinstance(a, float) and isinstance(b, float) and rtol > 0:
-        return None if math.isclose(a, b, rel_tol=rtol) else where
-    return None if a == b else where
-
-
-def compare_scalars(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
-    """The first TensorBoard scalar (tag and step) where the runs differ: the last value logged at each step
-    (a resumed run logs the steps it redoes again), timing scalars left out; None when they agree."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    def scalars(run: Path) -> dict[str, dict[int, float]]:
-        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
-        acc.Reload()
-        found: dict[str, dict[int, float]] = {}
-        for tag in acc.Tags().get("scalars", []):
-            if not any(t in tag for t in TIMING_SCALARS):
-                found[tag] = {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}
-        return found
-
-    a, b = scalars(reference), scalars(faulted)
-    for tag in sorted(set(a) | set(b)):
-        for step in sorted(set(a.get(tag, {})) | set(b.get(tag, {}))):
-            x, y = a.get(tag, {}).get(step), b.get(tag, {}).get(step)
-            if x is None or y is None or not (x == y or (rtol > 0 and math.isclose(x, y, rel_tol=rtol))):
-                return f"tensorboard/{tag} at step {step} ({x} vs {y})"
-    return None
-
-
-def compare(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
-    """The first differing entry of the two runs: ``last.ckpt``'s global_step, weights, optimizer and schedulers,
-    then the TensorBoard scalars."""
-    a, b = (
-        torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-        for r in (reference, faulted)
-    )
-    for key in ("global_step", "state_dict", "optimizer_states", "lr_schedulers"):
-        if (found := first_difference(a.get(key), b.get(key), key, rtol)) is not None:
-            return found
-    return compare_scalars(reference, faulted, rtol)
-
-
 def chaos_main(argv: list[str]) -> int:
     """``lit-ddp chaos``: see the module docstring. Returns the exit status."""
     try:
@@ -460,11 +243,11 @@ def chaos_main(argv: list[str]) -> int:
         print(f"lit-ddp chaos: {e}", file=sys.stderr)
         return 1
     resumed = [int(step) for step in RESUMED.findall(job.output())]
-    print(f"{'fault':>5s}  {'kind':5s} {'target':>22s} {'at s':>7s} {'checkpoint before':>18s} {'resumed from':>13s}")
+    print(f"{'fault':>5s}  {'kind':10s} {'target':>22s} {'at s':>7s} {'checkpoint before':>18s} {'resumed from':>13s}")
     for i, f in enumerate(faults):
         back = f"step {resumed[i]}" if i < len(resumed) else "-"
         print(
-            f"{i + 1:5d}  {f['kind']:5s} {f['target']:>22s} {f['t']:7.1f} {'step ' + str(f['step']):>18s} {back:>13s}"
+            f"{i + 1:5d}  {f['kind']:10s} {f['target']:>22s} {f['t']:7.1f} {'step ' + str(f['step']):>18s} {back:>13s}"
         )
     if took:
         print(f"the faults cost {seconds - took[0]:.1f} s ({seconds:.1f} s against {took[0]:.1f} s uninterrupted)")

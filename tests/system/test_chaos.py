@@ -31,18 +31,21 @@ def fault_table(stdout: str) -> list[list[str]]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner, seed: int) -> None:
-    """Five faults, one of each kind torchrun takes, in an order and at moments drawn from the seed: a worker
+    """Six faults, one of each kind torchrun takes, in an order and at moments drawn from the seed: a worker
     SIGKILLed, the job SIGTERMed (relaunched), a worker frozen (the collective timeout, 20 s, then torchrun's
     30 s), the agent and its workers SIGKILLed at once (relaunched), the writer of a checkpoint SIGKILLed the
-    moment its temporary file appears. The tool exits 0 with a line per fault, each naming the step the job
+    moment its temporary file appears, a worker SIGKILLed while a validation runs. The tool exits 0 with a line per fault, each naming the step the job
     resumed from, no earlier than the checkpoint before the fault, and the verdict."""
-    cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "5", "--kinds", "kill",
-                  "term", "hang", "node", "save", "--seed", str(seed), "--root", str(tmp_path), "--", *REGRESSION)  # fmt: skip
+    cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "6", "--kinds", "kill",
+                  "term", "hang", "node", "save", "validation", "--seed", str(seed), "--root", str(tmp_path), "--",
+                  *REGRESSION)  # fmt: skip
     result = runner.run(cmd, timeout=540)
     assert result.returncode == 0, result.stdout[-6000:] + (tmp_path / "faulted.log").read_text()[-6000:]
     assert f"seed {seed}" in result.stdout and "identical: the faulted run ends bit for bit" in result.stdout
     rows = fault_table(result.stdout)
-    assert sorted(row[1] for row in rows) == ["hang", "kill", "node", "save", "term"], result.stdout[-3000:]
+    assert sorted(row[1] for row in rows) == ["hang", "kill", "node", "save", "term", "validation"], result.stdout[
+        -3000:
+    ]
     for row in rows:  # ... step S (checkpoint before) step R (resumed from)
         before, resumed = int(row[-3]), int(row[-1])
         assert resumed >= before, row

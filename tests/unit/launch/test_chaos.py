@@ -10,7 +10,8 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from lit_ddp.cli import cli_main
-from lit_ddp.launch.chaos import compare_scalars, first_difference, plan
+from lit_ddp.launch.chaos import plan
+from lit_ddp.launch.chaos_compare import compare_scalars, first_difference
 
 FIT = ["--", "--config", "configs/regression/single_device.yaml"]
 
@@ -21,7 +22,10 @@ FIT = ["--", "--config", "configs/regression/single_device.yaml"]
         (["--faults", "2"], "needs the run's fit arguments after `--`"),
         (["--faults", "2", "--"], "needs the run's fit arguments after `--`"),
         (["--faults", "0", *FIT], "--faults 0: give at least 1"),
-        (["--kinds", "hang", *FIT], "--kinds hang: --launcher single injects kill, term, save (one process has no"),
+        (
+            ["--kinds", "hang", *FIT],
+            "--kinds hang: --launcher single injects kill, term, save, validation (one process",
+        ),
         (["--launcher", "torchrun", "--kinds", "kill", "usr1", *FIT], "--kinds usr1: --launcher torchrun injects"),
         (["--rtol", "-1", *FIT], "--rtol -1.0: give 0 (bit for bit) or a positive"),
     ],
@@ -101,7 +105,7 @@ def test_the_writer_of_a_checkpoint_is_found_under_a_relative_run_directory(tmp_
     import os
     import time
 
-    from lit_ddp.launch.chaos import writer_of_temporary_checkpoint
+    from lit_ddp.launch.chaos_job import writer_of_temporary_checkpoint
 
     monkeypatch.chdir(tmp_path)
     root = Path("runs/faulted")

@@ -1,0 +1,180 @@
+"""One run of ``lit-ddp chaos``: its launch command under each launcher, its training processes, and how each fault
+kind reaches them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
+PHASE_PROBE = "lit_ddp.launch.phase_probe.PhaseProbe"  # tells when validation runs (``validation`` faults)
+PHASE_FILE = ".chaos_phase"  # where it tells it, in the run directory
+SBATCH_SCRIPT = Path("slurm/train.sbatch")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault: its kind, its delay as a fraction of the span between faults, and which of the
+    targets (sorted by rank) it hits, as a fraction of their number."""
+
+    kind: str
+    delay: float
+    target: float
+
+
+def workers(proc: subprocess.Popen, launcher: str) -> list[int]:
+    """The training processes: the process itself (single) or torchrun's children."""
+    if launcher == "single":
+        return [proc.pid] if proc.poll() is None else []
+    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def rank_of(pid: int) -> int:
+    """A worker's ``RANK`` (torchrun's environment; 0 for a process started without one)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return 0
+    return next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), 0)
+
+
+def writer_of_temporary_checkpoint(root: Path, pids: list[int], deadline: float) -> int | None:
+    """The pid among ``pids`` that holds a checkpoint's temporary file open (``.NAME.XXXX.tmp``, AtomicCheckpointIO's,
+    in ``root/checkpoints`` or ``root``), as soon as one appears; None if none did before ``deadline``."""
+    folders = [root / "checkpoints", root]
+    while time.monotonic() < deadline:
+        for folder in folders:
+            with contextlib.suppress(OSError):
+                for name in os.listdir(folder):
+                    if name.startswith(".") and name.endswith(".tmp") and ".ckpt." in name:
+                        path = os.path.abspath(folder / name)  # as /proc/PID/fd links name it
+                        for pid in pids:
+                            with contextlib.suppress(OSError):
+                                for fd in os.listdir(f"/proc/{pid}/fd"):
+                                    with contextlib.suppress(OSError):
+                                        if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                                            return pid
+        time.sleep(0.0005)
+    return None
+
+
+class Job:
+    """One run of the fit command under a launcher: started, polled, faulted, started again, its output kept."""
+
+    def __init__(self, args: argparse.Namespace, fit: list[str], root: Path, faulted: bool) -> None:
+        self.args, self.root, self.name = args, root, "faulted" if faulted else "reference"
+        extra = ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
+        if faulted and "hang" in args.kinds:
+            extra += ["--trainer.strategy.init_args.timeout", HANG_TIMEOUT]
+        if "validation" in args.kinds:  # in both runs, alike
+            extra += [f"--trainer.callbacks+={PHASE_PROBE}"]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log = args.root / f"{self.name}.log"
+        if args.launcher == "single":
+            self.cmd = [sys.executable, "-m", "lit_ddp", "fit", *fit, *extra]
+        elif args.launcher == "torchrun":
+            self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per restart round (pytorch#135712)
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        str(args.nproc_per_node), "--max-restarts", str(args.faults), "--monitor-interval", "0.2"]  # fmt: skip
+            self.cmd = [*launcher, "-m", "lit_ddp", "fit", *fit, *extra]
+        else:
+            self.env.setdefault("LIT_DDP_PYTHON", sys.executable)
+            opts = ["--parsable", "--nodes", str(args.nodes), "--ntasks-per-node", str(args.nproc_per_node),
+                    "-J", f"chaos-{args.seed}-{self.name}", "-o", str(args.root / f"{self.name}-%j.out")]  # fmt: skip
+            self.cmd = ["sbatch", *opts, str(SBATCH_SCRIPT), fit[1], *fit[2:], *extra]
+        self.proc: subprocess.Popen | None = None
+        self.job_id = ""
+        self.started = 0
+
+    def start(self) -> None:
+        self.started += 1
+        self.args.root.mkdir(parents=True, exist_ok=True)
+        if self.args.launcher == "slurm":
+            out = subprocess.run(self.cmd, env=self.env, capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                raise RuntimeError(f"sbatch failed: {out.stderr.strip()}")
+            self.job_id = out.stdout.strip().split(";")[0]
+            return
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def poll(self) -> int | None:
+        """None while running (a requeued Slurm job, pending again, included); else 0 or a failure status."""
+        if self.proc is not None:
+            return self.proc.poll()
+        out = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=30)
+        state = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f).get("JobState", "")
+        if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "SUSPENDED", ""):
+            return None if state or out.returncode == 0 else 1
+        return 0 if state == "COMPLETED" else 1
+
+    def targets(self) -> list[tuple[int, int]]:
+        """``(rank, pid)`` of the training processes, by rank (none under Slurm: its tasks are reached by scancel)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return sorted((rank_of(pid), pid) for pid in workers(self.proc, self.args.launcher))
+
+    def inject(self, fault: Fault, deadline: float) -> str | None:
+        """Injects ``fault``; returns the target's description, or None when there was none (the job ended)."""
+        if fault.kind == "validation" and not self._validating(deadline):
+            return None
+        if self.args.launcher == "slurm":
+            signame = {"kill": "KILL", "term": "TERM", "usr1": "USR1", "validation": "KILL"}[fault.kind]
+            subprocess.run(["scancel", f"--signal={signame}", self.job_id], capture_output=True, timeout=30)
+            return f"job {self.job_id}"
+        targets = self.targets()
+        if not targets or self.proc is None:
+            return None
+        rank, pid = targets[min(int(fault.target * len(targets)), len(targets) - 1)]
+        if fault.kind == "save":  # the process that writes, the moment its temporary file appears
+            found = writer_of_temporary_checkpoint(self.root, [p for _, p in targets], deadline)
+            if found is None:
+                return None
+            rank, pid = rank_of(found), found
+        if fault.kind == "node":  # the agent and its workers at once, as when the machine goes
+            for victim in [self.proc.pid, *(p for _, p in targets)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)
+            return f"agent + {len(targets)} workers"
+        signum = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hang": signal.SIGSTOP, "save": signal.SIGKILL,
+                  "validation": signal.SIGKILL}  # fmt: skip
+        os.kill(pid, signum[fault.kind])
+        if fault.kind == "term" and self.args.launcher == "torchrun":
+            os.kill(self.proc.pid, signal.SIGTERM)  # the agent: a preemption of the whole job
+        return f"rank {rank}"
+
+    def _validating(self, deadline: float) -> bool:
+        """Waits until the run's rank zero says a validation runs (:class:`~lit_ddp.launch.phase_probe.PhaseProbe`);
+        False if none did before ``deadline``."""
+        phase = self.root / PHASE_FILE
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if phase.read_text().startswith("validation"):
+                    return True
+            time.sleep(0.0005)
+        return False
+
+    def stop(self) -> None:
+        if self.args.launcher == "slurm":
+            if self.job_id:
+                subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
+            return
+        if self.proc is not None:  # torchrun's workers run in sessions of their own, a frozen one included
+            for pid in [*workers(self.proc, self.args.launcher), self.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def output(self) -> str:
+        if self.args.launcher == "slurm":
+            return "".join(p.read_text(errors="replace") for p in sorted(self.args.root.glob(f"{self.name}-*.out")))
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
