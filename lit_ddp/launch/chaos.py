@@ -11,12 +11,13 @@ injected from outside, then compares the two final checkpoints bit for bit.
   job (``term``, ``node``) has the tool relaunch it. ``slurm``: ``sbatch --nodes N --ntasks-per-node P
   slurm/train.sbatch CONFIG ARGS`` (CONFIG: the first ``--config`` of ARGS) on the cluster ``sbatch`` reaches;
   a job that ends failed is submitted again, as an operator would.
-- Fault kinds (each chosen kind once before any comes again): ``kill`` (SIGKILL of one worker, a crash; under Slurm of every task of the job's step),
+- Fault kinds (each chosen kind once before any comes again): ``kill`` (SIGKILL of one worker, a crash),
   ``term`` (SIGTERM of the job, a preemption or ``scancel``: the run saves at a step boundary and exits 143),
   ``hang`` (SIGSTOP of one worker, torchrun only: the others fail at the collective timeout, which the tool
-  sets to 20 s), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine),
+  sets to 20 s), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine; under
+  Slurm of the job's tasks on one node, from an overlapping ``srun`` step),
   ``save`` (SIGKILL of the process writing a checkpoint, the moment its temporary file appears),
-  ``validation`` (SIGKILL of one worker, under Slurm of the job's tasks, while a validation runs: the tool adds
+  ``validation`` (SIGKILL of one worker, under Slurm of one node's tasks, while a validation runs: the tool adds
   :class:`~lit_ddp.launch.phase_probe.PhaseProbe` to both runs to see when), ``usr1``
   (``scancel --signal=USR1``, Slurm only: the time limit's warning, save and requeue). The schedule (each
   fault's kind, delay and target rank) is drawn from ``--seed`` before the run (printed: the same seed replays
@@ -52,7 +53,7 @@ KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
 LAUNCHER_KINDS = {
     "single": ("kill", "term", "save", "validation"),
     "torchrun": ("kill", "term", "hang", "node", "save", "validation"),
-    "slurm": ("kill", "term", "validation", "usr1"),
+    "slurm": ("node", "term", "validation", "usr1"),
 }
 CKPT_STEP = re.compile(r"step=(\d+)")
 RESUMED = re.compile(r"Resumed from \S+ at global_step (\d+)")
@@ -84,7 +85,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun: processes; slurm: tasks per node")
     parser.add_argument("--nodes", type=int, default=1, help="slurm: nodes")
     parser.add_argument("--faults", type=int, default=2, help="faults to inject (>= 1)")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: kill term (slurm: usr1)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: kill term (slurm: usr1 node)")
     parser.add_argument("--seed", type=int, default=None, help="replays a fault schedule (printed)")
     parser.add_argument("--root", type=Path, default=None, help="run directories (default runs/chaos/<seed>)")
     parser.add_argument("--reference", type=Path, default=None, help="a finished uninterrupted run to reuse")
@@ -96,7 +97,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise UsageError(f"--faults {args.faults}: give at least 1 (faults to inject into the run)")
     possible = LAUNCHER_KINDS[args.launcher]
     if args.kinds is None:
-        args.kinds = ["usr1"] if args.launcher == "slurm" else ["kill", "term"]
+        args.kinds = ["usr1", "node"] if args.launcher == "slurm" else ["kill", "term"]
     if wrong := [k for k in args.kinds if k not in possible]:
         raise UsageError(
             f"--kinds {' '.join(wrong)}: --launcher {args.launcher} injects {', '.join(possible)}"

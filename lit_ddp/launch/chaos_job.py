@@ -129,9 +129,12 @@ class Job:
         if fault.kind == "validation" and not self._validating(deadline):
             return None
         if self.args.launcher == "slurm":
-            signame = {"kill": "KILL", "term": "TERM", "usr1": "USR1", "validation": "KILL"}[fault.kind]
-            subprocess.run(["scancel", f"--signal={signame}", self.job_id], capture_output=True, timeout=30)
-            return f"job {self.job_id}"
+            if fault.kind in ("term", "usr1"):  # to every task of the job's steps (scancel's --signal)
+                subprocess.run(
+                    ["scancel", f"--signal={fault.kind.upper()}", self.job_id], capture_output=True, timeout=30
+                )
+                return f"job {self.job_id}"
+            return self._kill_slurm_node(fault.target)
         targets = self.targets()
         if not targets or self.proc is None:
             return None
@@ -152,6 +155,24 @@ class Job:
         if fault.kind == "term" and self.args.launcher == "torchrun":
             os.kill(self.proc.pid, signal.SIGTERM)  # the agent: a preemption of the whole job
         return f"rank {rank}"
+
+    def _kill_slurm_node(self, target: float) -> str | None:
+        """SIGKILLs this job's tasks on one of its nodes (a crash, where ``scancel --signal=KILL`` would cancel the
+        job with a SIGTERM first), from a step that overlaps the job's on that node; the job's own srun then ends
+        the other nodes' tasks (``--kill-on-bad-exit``) and the job fails. The tasks are told apart by their
+        environment, as the nodes of a one-machine test cluster share their processes."""
+        out = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=30)
+        nodelist = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f).get("NodeList", "")
+        names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+        nodes = names.stdout.split()
+        if not nodes:
+            return None  # not running (pending after a requeue): try again once it is back
+        node = nodes[min(int(target * len(nodes)), len(nodes) - 1)]
+        kill = (f"for p in $(pgrep -f 'lit_ddp fit'); do grep -qz '^SLURM_JOB_ID={self.job_id}$' /proc/$p/environ && "
+                f"grep -qz '^SLURMD_NODENAME={node}$' /proc/$p/environ && kill -9 $p; done; true")  # fmt: skip
+        step = ["srun", "--jobid", self.job_id, "--overlap", "-N1", "-n1", "-w", node, "bash", "-c", kill]
+        subprocess.run(step, capture_output=True, timeout=60, env=self.env)
+        return f"node {node}"
 
     def _validating(self, deadline: float) -> bool:
         """Waits until the run's rank zero says a validation runs (:class:`~lit_ddp.launch.phase_probe.PhaseProbe`);
