@@ -168,7 +168,10 @@ class Job:
         if not nodes:
             return None  # not running (pending after a requeue): try again once it is back
         node = nodes[min(int(target * len(nodes)), len(nodes) - 1)]
-        kill = (f"for p in $(pgrep -f 'lit_ddp fit'); do grep -qz '^SLURM_JOB_ID={self.job_id}$' /proc/$p/environ && "
+        # the tasks, not the job's srun (its command line names lit_ddp fit too, and it runs on the first node), nor
+        # this shell
+        kill = (f"for p in $(pgrep -f 'lit_ddp fit'); do [ $p != $$ ] && [ \"$(cat /proc/$p/comm)\" != srun ] && "
+                f"grep -qz '^SLURM_JOB_ID={self.job_id}$' /proc/$p/environ && "
                 f"grep -qz '^SLURMD_NODENAME={node}$' /proc/$p/environ && kill -9 $p; done; true")  # fmt: skip
         step = ["srun", "--jobid", self.job_id, "--overlap", "-N1", "-n1", "-w", node, "bash", "-c", kill]
         subprocess.run(step, capture_output=True, timeout=60, env=self.env)
