@@ -112,7 +112,12 @@ class Job:
         """None while running (a requeued Slurm job, pending again, included); else 0 or a failure status."""
         if self.proc is not None:
             return self.proc.poll()
-        out = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=30)
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=30
+            )
+        except subprocess.TimeoutExpired:
+            return None  # a busy controller: ask again
         state = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f).get("JobState", "")
         if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "SUSPENDED", ""):
             return None if state or out.returncode == 0 else 1
@@ -129,12 +134,14 @@ class Job:
         if fault.kind == "validation" and not self._validating(deadline):
             return None
         if self.args.launcher == "slurm":
-            if fault.kind in ("term", "usr1"):  # to every task of the job's steps (scancel's --signal)
-                subprocess.run(
-                    ["scancel", f"--signal={fault.kind.upper()}", self.job_id], capture_output=True, timeout=30
-                )
-                return f"job {self.job_id}"
-            return self._kill_slurm_node(fault.target)
+            try:
+                if fault.kind in ("term", "usr1"):  # to every task of the job's steps (scancel's --signal)
+                    cmd = ["scancel", f"--signal={fault.kind.upper()}", self.job_id]
+                    subprocess.run(cmd, capture_output=True, timeout=30)
+                    return f"job {self.job_id}"
+                return self._kill_slurm_node(fault.target)
+            except subprocess.TimeoutExpired:
+                return None  # a busy controller: the fault is tried again once the job is back
         targets = self.targets()
         if not targets or self.proc is None:
             return None
