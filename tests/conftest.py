@@ -133,3 +133,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             wrong.append(f"{item.nodeid}: put it in tests/unit/ (unmarked) or tests/system/ (marked)")
     if wrong:
         raise pytest.UsageError("tests in the wrong place:\n  " + "\n  ".join(wrong))
+
+
+@pytest.fixture
+def tiny_text(tmp_path: Path) -> Path:
+    """The first 6000 characters of the packaged Tiny Shakespeare, as a text file for ``--data.path``."""
+    path = tmp_path / "tiny.txt"
+    path.write_text(read_embedded_text()[:6000])
+    return path

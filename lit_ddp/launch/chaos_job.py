@@ -77,7 +77,8 @@ class Job:
         if "validation" in args.kinds:  # in both runs, alike
             extra += [f"--trainer.callbacks+={PHASE_PROBE}"]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.log = args.root / f"{self.name}.log"
+        # where its output goes: a log file, or Slurm's output file per job id (named here for messages)
+        self.log = args.root / (f"{self.name}-<job id>.out" if args.launcher == "slurm" else f"{self.name}.log")
         if args.launcher == "single":
             self.cmd = [sys.executable, "-m", "lit_ddp", "fit", *fit, *extra]
         elif args.launcher == "torchrun":

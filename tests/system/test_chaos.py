@@ -55,14 +55,10 @@ def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_chaos_under_torchrun_finds_mingpt_exact(tmp_path: Path, runner: Runner, seed: int) -> None:
+def test_chaos_under_torchrun_finds_mingpt_exact(tmp_path: Path, runner: Runner, seed: int, tiny_text: Path) -> None:
     """minGPT (AdamW + Muon, warmup and cosine, dropout, validation every 5 steps, the throughput monitor) on a tiny
     text under torchrun: a worker SIGKILLed and a checkpoint's writer SIGKILLed mid-write, at moments drawn from
     the seed; the weights, optimizer and scheduler states and every TensorBoard scalar end bit-identical."""
-    from lit_ddp.data.sources import read_embedded_text
-
-    tiny_text = tmp_path / "tiny.txt"
-    tiny_text.write_text(read_embedded_text()[:6000])
     fit = mingpt_args(60, 5, tiny_text)
     cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "2", "--kinds", "kill",
                   "save", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit)  # fmt: skip

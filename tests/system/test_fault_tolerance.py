@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ddp.data.sources import read_embedded_text
 from tests.callbacks import KillAtSteps
 from tests.helpers import QUIET, Runner, callback, compose, lit_ddp, load_records, tensorboard_steps
 
@@ -55,14 +54,6 @@ def mingpt_args(steps: int, every: int, text: Path) -> list[str]:
 
 def one_process(args: list[str]) -> list[str]:
     return [*args, "--trainer.devices", "1", "--trainer.strategy", "auto"]
-
-
-@pytest.fixture
-def tiny_text(tmp_path: Path) -> Path:
-    """The first 6000 characters of the packaged Tiny Shakespeare."""
-    path = tmp_path / "tiny.txt"
-    path.write_text(read_embedded_text()[:6000])
-    return path
 
 
 def assert_same_params(a: list[dict], b: list[dict]) -> None:
