@@ -82,6 +82,30 @@ def undo_epoch_end_recount(trainer: Trainer) -> None:
         fit_loop.epoch_progress.current.processed -= 1  # type: ignore[attr-defined]
 
 
+def start_the_epoch_after_a_last_batch_restart(trainer: Trainer) -> bool:
+    """Counts the next epoch as started when Lightning restarts from a checkpoint written in ``on_train_batch_end``
+    of an epoch's last batch (a step or time trigger that falls on it); returns whether it was that restart.
+
+    Lightning 2.6's ``_FitLoop.reset`` then counts the saved epoch as processed and completed but leaves the restart
+    stage at "mid-epoch", so ``_FitLoop.on_advance_start`` of the next epoch counts it neither ready nor started and
+    skips ``on_train_epoch_start``; and ``restarting`` stays set through that epoch, so its end steps no
+    epoch-interval LR scheduler. Every later checkpoint of that run holds an epoch that is ready as many times as it
+    is processed, which the next restart reads as no restart at all: it trains that epoch again from its first batch
+    on top of the saved global_step (a 28-batch epoch resumed after batch 26: 26 extra steps, every later epoch off).
+    Called at ``on_train_start``, after the restore; it clears the restart on the fit loop only, so the next epoch
+    starts as in an uninterrupted run. No upstream issue reports it; ``tests/unit/test_compat.py`` shows it is
+    still there.
+    """
+    fit_loop = trainer.fit_loop
+    progress = fit_loop.epoch_progress.current
+    # Lightning's trackers here are _ProcessedTrackers; it annotates them as _ReadyCompletedTrackers.
+    if not (fit_loop.restarted_mid_epoch and progress.processed == progress.started):  # type: ignore[attr-defined]
+        return False
+    fit_loop.reset_restart_stage()
+    fit_loop._restarting = False  # the fit loop's own flag: its child loops still finish their restart
+    return True
+
+
 def validation_due(trainer: Trainer) -> bool:
     """Whether Lightning runs validation after the current training batch (asked in ``on_train_batch_end``)."""
     fit_loop, data_fetcher = trainer.fit_loop, trainer.fit_loop._data_fetcher

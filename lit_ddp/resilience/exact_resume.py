@@ -59,7 +59,9 @@ class ExactResume(Callback):
 
     A checkpoint written in ``on_train_epoch_end`` (``save_on_train_epoch_end``) of a run bounded by ``max_steps``:
     Lightning counts that epoch twice on restart, so every later epoch would draw the next one's order and log a
-    step off; both are set back (:func:`lit_ddp.compat.undo_epoch_end_recount`).
+    step off; both are set back (:func:`lit_ddp.compat.undo_epoch_end_recount`). A checkpoint written after an
+    epoch's last batch: Lightning leaves the next epoch uncounted, and a second restart from a checkpoint of the
+    resumed run would train a whole epoch again (:func:`lit_ddp.compat.start_the_epoch_after_a_last_batch_restart`).
 
     A checkpoint written with another global batch (``batch_size`` x processes): the epoch still ends after all
     of its samples (:func:`count_the_epoch_in_samples`), with a warning.
@@ -178,7 +180,11 @@ class ExactResume(Callback):
                 "state is in no checkpoint: a resume will not draw the same samples. Give the train loader "
                 "`sampler=lit_ddp.data.samplers.GlobalOrderSampler(dataset)`."
             )
-        if self._loader_states and fit_loop.restarted_mid_epoch:
+        mid_epoch = fit_loop.restarted_mid_epoch
+        # Resumed after an epoch's last batch: that epoch is over (its running sums and progress bar with it), the
+        # next one starts afresh, and Lightning's counts are set right for the checkpoints it will write.
+        epoch_over = compat.start_the_epoch_after_a_last_batch_restart(trainer)
+        if self._loader_states and mid_epoch:
             # draws from the RNGs while the iterator is built: before their restore below
             compat.restore_train_loaders(
                 trainer,
@@ -190,10 +196,10 @@ class ExactResume(Callback):
             if saved is not None and saved != now and len(self._loader_states) == 1:
                 count_the_epoch_in_samples(trainer, self._loader_states, saved)
         self._loader_states = None
-        if self._metric_states and fit_loop.restarted_mid_epoch:  # the epoch's running sums go on
+        if self._metric_states and mid_epoch and not epoch_over:  # the epoch's running sums go on
             restore_metric_states(pl_module, self._metric_states)
         self._metric_states = None
-        self._resumed_mid_epoch = fit_loop.restarted_mid_epoch
+        self._resumed_mid_epoch = mid_epoch and not epoch_over
         # After a checkpoint from on_train_epoch_end the next epoch's first batch logs where the saved epoch's last
         # left off (Lightning adds one to it, or not, depending on where validation ran).
         self._log_step_after_epoch_end = (

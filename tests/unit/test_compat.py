@@ -159,6 +159,41 @@ def test_lightning_counts_an_epoch_end_twice_on_restart(tmp_path, by: str, undo:
     assert counts.seen == [expected]
 
 
+@pytest.mark.parametrize("mended", [False, True])
+def test_lightning_leaves_the_epoch_after_a_last_batch_restart_uncounted(tmp_path, mended: bool) -> None:
+    """Saved after the last of 8 batches (``on_train_batch_end``, step 8), resumed: Lightning starts epoch 1 without
+    counting it ready or calling ``on_train_epoch_start``, so its step-12 checkpoint reads as no restart, and a run
+    resumed from there trains epoch 1 again from its first batch: it ends at step 20, not 16. With
+    ``compat.start_the_epoch_after_a_last_batch_restart`` at ``on_train_start`` it ends at 16. When the plain
+    chain ends at 16, Lightning has fixed it: delete the workaround."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_ddp.data.regression import RegressionDataModule
+    from lit_ddp.tasks.regression import RegressionModule
+
+    class Mend(Callback):
+        def on_train_start(self, trainer: Trainer, pl_module) -> None:
+            compat.start_the_epoch_after_a_last_batch_restart(trainer)
+
+    def fit(epochs: int, *callbacks: Callback, ckpt_path: str | None = None) -> int:
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_epochs=epochs,
+                          enable_model_summary=False, default_root_dir=tmp_path, callbacks=list(callbacks))  # fmt: skip
+        trainer.fit(RegressionModule(), RegressionDataModule(num_samples=288, batch_size=32), ckpt_path=ckpt_path)
+        return trainer.global_step
+
+    def every(n: int) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=n, save_top_k=-1)
+
+    assert fit(1, every(8)) == 8
+    counts = _EpochCounts()
+    assert (
+        fit(2, every(4), counts, *([Mend()] if mended else []), ckpt_path=str(tmp_path / "epoch=0-step=8.ckpt")) == 16
+    )
+    assert len(counts.seen) == (1 if mended else 0)  # epoch 1's on_train_epoch_start
+    end = fit(2, Mend(), ckpt_path=str(tmp_path / "epoch=1-step=12.ckpt"))
+    assert end == (16 if mended else 20)
+
+
 @pytest.mark.parametrize("by", ["epochs", "steps"])
 @pytest.mark.parametrize("mended", [False, True])
 def test_lightning_leaves_a_mid_epoch_resume_without_a_progress_bar_total(tmp_path, mended: bool, by: str) -> None:
