@@ -17,20 +17,24 @@ injected from outside, then compares the two final checkpoints bit for bit.
   sets to 20 s), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine; under
   Slurm of the job's tasks on one node, from an overlapping ``srun`` step),
   ``save`` (SIGKILL of the process writing a checkpoint, the moment its temporary file appears),
-  ``validation`` (SIGKILL of one worker, under Slurm of one node's tasks, while a validation runs: the tool adds
-  :class:`~lit_ddp.launch.phase_probe.PhaseProbe` to both runs to see when), ``usr1``
+  ``validation`` (SIGKILL of one worker, under Slurm of one node's tasks, while a validation runs:
+  :class:`~lit_ddp.launch.phase_probe.PhaseProbe` tells when), ``usr1``
   (``scancel --signal=USR1``, Slurm only: the time limit's warning, save and requeue). The schedule (each
-  fault's kind, delay and target rank) is drawn from ``--seed`` before the run (printed: the same seed replays
-  the same schedule); a fault comes only once the run directory holds a step checkpoint, and the next one only
-  after the job came back (it resumed, as its "Resumed from" line says, and saved a step checkpoint since).
+  fault's kind, target rank and delay, a fraction of the checkpoint interval) is drawn from ``--seed`` before the
+  run (printed: the same seed replays the same schedule); a fault comes only once the run directory holds a step
+  checkpoint, the next one only after the job came back (it resumed, as its "Resumed from" line says, and saved
+  a step checkpoint since), each at the step ``delay x interval`` past the newest checkpoint (the run's
+  ``PhaseProbe``, which the tool adds to both runs, tells the step), at whatever point within the step the
+  processes are when the tool sees it.
 - The comparison: ``global_step``, the weights, the optimizer and learning-rate scheduler states of the two
   ``last.ckpt``, every tensor bit for bit (``--rtol`` for runs that cannot be exact), then the TensorBoard
   scalars (the last value logged at each step; timing scalars such as tokens/s, MFU, time left out). Printed: one line
-  per fault (kind, target, seconds into the run, the newest checkpoint's step before it, the step the job
-  resumed from after it), the seconds the faults cost, then the verdict and the first differing entry.
+  per fault (kind, target, seconds into the run, the step it hit, the newest checkpoint's step before it, the
+  step the job resumed from, the steps trained again, the seconds until the job had trained the fault's step
+  again), the seconds the faults cost in all, then the verdict and the first differing entry.
 
 Exit status: 0 identical, 1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
-Not yet here (issue 23): several torchrun agents, the step each fault hit.
+Not yet here (issue 23): several torchrun agents.
 No library does this (torchft's injector checks convergence only), hence our code.
 """
 
@@ -148,8 +152,21 @@ def run_reference(job: Job, timeout: float) -> tuple[float, float] | None:
     return None if status != 0 else (end - start, end - (first or end))
 
 
-def run_faulted(job: Job, schedule: list[Fault], span: float, timeout: float) -> tuple[list[dict], float]:
+def checkpoint_interval(run: Path) -> int:
+    """Optimizer steps between the step checkpoints of a finished run: the smallest gap between those it kept, or
+    the step of its only one."""
+    steps = checkpoint_steps(run)
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    return min(gaps) if gaps else max(steps[0], 1)
+
+
+def run_faulted(job: Job, schedule: list[Fault], every: int, span: float, timeout: float) -> tuple[list[dict], float]:
     """Runs the job under the ``schedule``; returns one record per fault and the job's seconds in all.
+
+    Each fault comes once the job has trained ``delay x every`` steps past its newest step checkpoint (``every``:
+    the steps between checkpoints; a job already past that step gets the same offset in a later interval), at the
+    wall-clock moment the tool sees it there, wherever the processes are within the step. A record holds the step
+    the fault hit and, once the restarted job has trained that step again, the seconds that took.
 
     Raises:
         RuntimeError: the job failed more often than the faults explain, or did not come back within
@@ -168,9 +185,17 @@ def run_faulted(job: Job, schedule: list[Fault], span: float, timeout: float) ->
             raise RuntimeError(f"the faulted job failed with status {status}; its output: {job.log}")
         job.start()
 
+    def regained() -> None:
+        """Notes when a process other than the one a fault hit has trained the fault's step again."""
+        if (now := job.progress()) is not None:
+            for f in faults:
+                if f["lost"] is None and now[2] != f["pid"] and now[1] >= f["at"]:
+                    f["lost"] = time.monotonic() - start - f["t"]
+
     def back() -> bool:
         """Whether the job came back from every fault so far: it resumed once per fault (its "Resumed from ...
         at global_step N" lines) and saved a step checkpoint after the last resume."""
+        regained()
         seen = checkpoint_steps(job.root)
         if not seen or job.poll() is not None:
             return False
@@ -190,21 +215,47 @@ def run_faulted(job: Job, schedule: list[Fault], span: float, timeout: float) ->
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"no new checkpoint within --timeout {timeout:.0f} s")
                     time.sleep(0.1)
-                time.sleep(fault.delay * span / (len(schedule) + 1))  # all K within the training, on average
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"fault {number} found no moment within --timeout {timeout:.0f} s")
+                at = checkpoint_steps(job.root)[-1] + max(1, round(fault.delay * every))
+                if (now := job.progress()) is not None and now[1] >= at:
+                    at += ((now[1] - at) // every + 1) * every
+                if not job.wait_for_step(at, min(deadline, time.monotonic() + span)):
+                    continue  # it ended, or is slow to get there: again once it is back
                 before = checkpoint_steps(job.root)
                 target = job.inject(fault, min(deadline, time.monotonic() + span))
-                if target is not None:
+                hit = job.progress()
+                if target is not None and hit is not None:
                     break  # else it ended meanwhile (or a `save` saw no write in time): again once it is back
-            faults.append({"kind": fault.kind, "target": target, "t": time.monotonic() - start, "step": before[-1]})
+            t = time.monotonic() - start
+            faults.append({"kind": fault.kind, "target": target, "t": t, "step": before[-1], "at": hit[1],
+                           "pid": hit[2], "lost": None})  # fmt: skip
         while (status := job.poll()) != 0:
+            regained()
             if status is not None:
                 relaunch(status)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the faulted job did not finish within --timeout {timeout:.0f} s")
-            time.sleep(0.2)
+            time.sleep(0.1)
     finally:  # on a failure, and the frozen worker of a hang that torchrun gave up on
         job.stop()
     return faults, time.monotonic() - start
+
+
+def print_faults(faults: list[dict], resumed: list[int]) -> None:
+    """The table: per fault its kind, target, seconds into the job, the step it hit, the newest checkpoint's step
+    before it, the step the job resumed from, the steps trained again and the seconds until the job had trained
+    the fault's step again ("-": it did not, e.g. a preemption that saved past it)."""
+    print(f"{'fault':>5s}  {'kind':10s} {'target':>22s} {'at s':>7s} {'at step':>8s} {'checkpoint':>10s} "
+          f"{'resumed from':>12s} {'redone':>6s} {'lost s':>7s}")  # fmt: skip
+    for i, f in enumerate(faults):
+        back = resumed[i] if i < len(resumed) else None
+        redone = "-" if back is None else str(max(0, f["at"] - back))
+        lost = "-" if f["lost"] is None else f"{f['lost']:.1f}"
+        print(
+            f"{i + 1:5d}  {f['kind']:10s} {f['target']:>22s} {f['t']:7.1f} {f['at']:8d} {f['step']:10d} "
+            f"{'-' if back is None else str(back):>12s} {redone:>6s} {lost:>7s}"
+        )
 
 
 def chaos_main(argv: list[str]) -> int:
@@ -238,18 +289,15 @@ def chaos_main(argv: list[str]) -> int:
         return UsageError.exit_code
     job = Job(args, fit, args.root / "faulted", faulted=True)
     span = took[1] if took else 30.0  # a guess when the reference is given
+    every = checkpoint_interval(reference)
+    offsets = ", ".join(f"{f.kind} +{max(1, round(f.delay * every))}" for f in schedule)
+    print(f"checkpoints every {every} steps; steps past the newest one: {offsets}")
     try:
-        faults, seconds = run_faulted(job, schedule, span, args.timeout)
+        faults, seconds = run_faulted(job, schedule, every, span, args.timeout)
     except RuntimeError as e:
         print(f"lit-ddp chaos: {e}", file=sys.stderr)
         return 1
-    resumed = [int(step) for step in RESUMED.findall(job.output())]
-    print(f"{'fault':>5s}  {'kind':10s} {'target':>22s} {'at s':>7s} {'checkpoint before':>18s} {'resumed from':>13s}")
-    for i, f in enumerate(faults):
-        back = f"step {resumed[i]}" if i < len(resumed) else "-"
-        print(
-            f"{i + 1:5d}  {f['kind']:10s} {f['target']:>22s} {f['t']:7.1f} {'step ' + str(f['step']):>18s} {back:>13s}"
-        )
+    print_faults(faults, [int(step) for step in RESUMED.findall(job.output())])
     if took:
         print(f"the faults cost {seconds - took[0]:.1f} s ({seconds:.1f} s against {took[0]:.1f} s uninterrupted)")
     difference = compare(reference, args.root / "faulted", args.rtol)

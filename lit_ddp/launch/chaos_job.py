@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
-PHASE_PROBE = "lit_ddp.launch.phase_probe.PhaseProbe"  # tells when validation runs (``validation`` faults)
+PHASE_PROBE = "lit_ddp.launch.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
 PHASE_FILE = ".chaos_phase"  # where it tells it, in the run directory
 SBATCH_SCRIPT = Path("slurm/train.sbatch")
 
@@ -74,8 +74,7 @@ class Job:
         extra = ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
         if faulted and "hang" in args.kinds:
             extra += ["--trainer.strategy.init_args.timeout", HANG_TIMEOUT]
-        if "validation" in args.kinds:  # in both runs, alike
-            extra += [f"--trainer.callbacks+={PHASE_PROBE}"]
+        extra += [f"--trainer.callbacks+={PHASE_PROBE}"]  # in both runs, alike
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # where its output goes: a log file, or Slurm's output file per job id (named here for messages)
         self.log = args.root / (f"{self.name}-<job id>.out" if args.launcher == "slurm" else f"{self.name}.log")
@@ -185,14 +184,34 @@ class Job:
         subprocess.run(step, capture_output=True, timeout=60, env=self.env)
         return f"node {node}"
 
-    def _validating(self, deadline: float) -> bool:
-        """Waits until the run's rank zero says a validation runs (:class:`~lit_ddp.launch.phase_probe.PhaseProbe`);
-        False if none did before ``deadline``."""
-        phase = self.root / PHASE_FILE
+    def progress(self) -> tuple[str, int, int] | None:
+        """``(phase, global_step, pid)`` of the run's rank zero as it last told them
+        (:class:`~lit_ddp.launch.phase_probe.PhaseProbe`); None before it told any (or while it writes)."""
+        try:
+            phase, step, pid = (self.root / PHASE_FILE).read_text().split()
+            return phase, int(step), int(pid)
+        except (OSError, ValueError):
+            return None
+
+    def wait_for_step(self, step: int, deadline: float) -> bool:
+        """Waits until the running job has trained ``step`` optimizer steps; False if it ended (or ``deadline``
+        passed) before."""
+        next_poll = 0.0
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                if phase.read_text().startswith("validation"):
-                    return True
+            if (now := self.progress()) is not None and now[1] >= step:
+                return True
+            if time.monotonic() >= next_poll:
+                if self.poll() is not None:
+                    return False
+                next_poll = time.monotonic() + (0.05 if self.proc is not None else 1.0)  # Slurm: ask the controller
+            time.sleep(0.0005)
+        return False
+
+    def _validating(self, deadline: float) -> bool:
+        """Waits until the run's rank zero says a validation runs; False if none did before ``deadline``."""
+        while time.monotonic() < deadline:
+            if (now := self.progress()) is not None and now[0] == "validation":
+                return True
             time.sleep(0.0005)
         return False
 

@@ -1,12 +1,14 @@
-"""What ``lit-ddp chaos`` adds to a run for its ``validation`` faults: a file that says when validation runs.
+"""What ``lit-ddp chaos`` adds to both of its runs: a file that says where the training is.
 
-A validation cannot be seen from outside the processes (with the progress bar off they print nothing), so chaos
-adds :class:`PhaseProbe` to both of its runs; the fault itself still comes from outside, a SIGKILL from the tool.
+Neither the step a run has reached nor a validation can be seen from outside the processes (with the progress bar
+off they print nothing), so chaos adds :class:`PhaseProbe`; the faults themselves still come from outside, a
+signal from the tool at a moment of its choosing.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -14,8 +16,12 @@ from lit_ddp.launch.chaos_job import PHASE_FILE
 
 
 class PhaseProbe(Callback):
-    """Rank zero writes ``validation`` into ``<trainer.default_root_dir>/.chaos_phase`` as a validation starts
-    (not the sanity check) and ``train`` as it ends. It changes nothing else and holds no state."""
+    """Rank zero writes ``<phase> <global_step> <pid>`` into ``<trainer.default_root_dir>/.chaos_phase``: ``train``
+    after every training batch and as a validation ends, ``validation`` as one starts (not the sanity check). The
+    pid tells a restarted process from the one a fault hit. It changes nothing else and holds no state."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        self._write(trainer, "train")
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -29,4 +35,4 @@ class PhaseProbe(Callback):
     def _write(trainer: Trainer, phase: str) -> None:
         if trainer.is_global_zero:
             with open(os.path.join(str(trainer.default_root_dir), PHASE_FILE), "w") as f:
-                f.write(phase)
+                f.write(f"{phase} {trainer.global_step} {os.getpid()}\n")

@@ -10,7 +10,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from lit_ddp.cli import cli_main
-from lit_ddp.launch.chaos import plan
+from lit_ddp.launch.chaos import checkpoint_interval, plan, print_faults
 from lit_ddp.launch.chaos_compare import compare_scalars, first_difference
 
 FIT = ["--", "--config", "configs/regression/single_device.yaml"]
@@ -72,6 +72,25 @@ def test_the_same_seed_plans_the_same_faults(seed: int) -> None:
     assert plan(seed, 7, kinds) != plan(seed + 1, 7, kinds)
     assert sorted(f.kind for f in plan(seed, 5, kinds)) == sorted(kinds)
     assert all(0 <= f.delay < 1 and 0 <= f.target < 1 for f in plan(seed, 7, kinds))
+
+
+def test_faults_come_at_steps_within_the_checkpoint_interval(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The interval is the smallest gap between the kept step checkpoints (or the only one's step); the table gives
+    the steps a fault cost (the step it hit less the step resumed from; none after a preemption that saved past
+    it) and "-" where the job never trained the fault's step again."""
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("epoch=3-step=100.ckpt", "epoch=5-step=150.ckpt", "epoch=7-step=200.ckpt", "last.ckpt"):
+        (tmp_path / "checkpoints" / name).touch()
+    assert checkpoint_interval(tmp_path) == 50
+    (tmp_path / "checkpoints" / "epoch=3-step=100.ckpt").unlink()
+    (tmp_path / "checkpoints" / "epoch=5-step=150.ckpt").unlink()
+    assert checkpoint_interval(tmp_path) == 200
+    kill = {"kind": "kill", "target": "rank 1", "t": 8.25, "step": 350, "at": 372, "pid": 1, "lost": 3.04}
+    term = {"kind": "term", "target": "rank 0", "t": 20.0, "step": 400, "at": 410, "pid": 2, "lost": None}
+    print_faults([kill, term], [350, 413])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [["1", "kill", "rank", "1", "8.2", "372", "350", "350", "22", "3.0"],
+                    ["2", "term", "rank", "0", "20.0", "410", "400", "413", "0", "-"]]  # fmt: skip
 
 
 def test_first_difference_names_the_entry() -> None:
