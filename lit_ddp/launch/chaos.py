@@ -1,14 +1,17 @@
 """``lit-ddp chaos``: does *your* run survive faults exactly? Trains it once uninterrupted and once under faults
 injected from outside, then compares the two final checkpoints bit for bit.
 
-    lit-ddp chaos [--launcher single|torchrun|slurm] [--nproc_per_node N] [--nodes N] [--faults K]
+    lit-ddp chaos [--launcher single|torchrun|slurm] [--nproc_per_node N] [--nnodes N] [--faults K]
                   [--kinds kill term hang node save validation usr1] [--seed S] [--root DIR] [--reference DIR] [--rtol R]
                   -- <the arguments of lit-ddp fit>
 
 - ``single``: ``lit-ddp fit ARGS`` in one process; after each fault the tool runs the same command again, as
   a user or a Slurm requeue would. ``torchrun``: ``torchrun --standalone --nproc_per_node N --max-restarts K``
   (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), which restarts the workers itself; a fault that ends the
-  job (``term``, ``node``) has the tool relaunch it. ``slurm``: ``sbatch --nodes N --ntasks-per-node P
+  job (``term``, ``node``) has the tool relaunch it. With ``--nnodes M``, M agents on this machine meet in a
+  c10d rendezvous whose store the tool holds (as a head node would); a ``node`` fault SIGKILLs one agent with
+  its workers, the others restart their workers and wait, and the tool starts a replacement agent.
+  ``slurm``: ``sbatch --nodes N --ntasks-per-node P
   slurm/train.sbatch CONFIG ARGS`` (CONFIG: the first ``--config`` of ARGS) on the cluster ``sbatch`` reaches;
   a job that ends failed is submitted again, as an operator would.
 - Fault kinds (each chosen kind once before any comes again): ``kill`` (SIGKILL of one worker, a crash),
@@ -34,7 +37,6 @@ injected from outside, then compares the two final checkpoints bit for bit.
   again), the seconds the faults cost in all, then the verdict and the first differing entry.
 
 Exit status: 0 identical, 1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
-Not yet here (issue 23): several torchrun agents.
 No library does this (torchft's injector checks convergence only), hence our code.
 """
 
@@ -87,7 +89,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="lit-ddp chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--launcher", choices=tuple(LAUNCHER_KINDS), default="single")
     parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun: processes; slurm: tasks per node")
-    parser.add_argument("--nodes", type=int, default=1, help="slurm: nodes")
+    parser.add_argument("--nodes", "--nnodes", type=int, default=1, help="slurm: nodes; torchrun: agents here")
+    parser.add_argument("--max-restarts", type=int, default=None, help="torchrun's (default: --faults)")
     parser.add_argument("--faults", type=int, default=2, help="faults to inject (>= 1)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: kill term (slurm: usr1 node)")
     parser.add_argument("--seed", type=int, default=None, help="replays a fault schedule (printed)")
@@ -99,6 +102,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     fit = argv[split + 1 :]
     if args.faults < 1:
         raise UsageError(f"--faults {args.faults}: give at least 1 (faults to inject into the run)")
+    if args.nodes < 1 or (args.nodes > 1 and args.launcher == "single"):
+        raise UsageError(f"--nodes {args.nodes}: give 1 for --launcher single, at least 1 for torchrun and slurm")
+    if args.max_restarts is None:
+        args.max_restarts = args.faults
     possible = LAUNCHER_KINDS[args.launcher]
     if args.kinds is None:
         args.kinds = ["usr1", "node"] if args.launcher == "slurm" else ["kill", "term"]

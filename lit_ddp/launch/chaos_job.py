@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
 PHASE_PROBE = "lit_ddp.launch.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
@@ -82,17 +83,44 @@ class Job:
             self.cmd = [sys.executable, "-m", "lit_ddp", "fit", *fit, *extra]
         elif args.launcher == "torchrun":
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per restart round (pytorch#135712)
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                        str(args.nproc_per_node), "--max-restarts", str(args.faults), "--monitor-interval", "0.2"]  # fmt: skip
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc_per_node),
+                        "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.2"]  # fmt: skip
             self.cmd = [*launcher, "-m", "lit_ddp", "fit", *fit, *extra]
         else:
             self.env.setdefault("LIT_DDP_PYTHON", sys.executable)
             opts = ["--parsable", "--nodes", str(args.nodes), "--ntasks-per-node", str(args.nproc_per_node),
                     "-J", f"chaos-{args.seed}-{self.name}", "-o", str(args.root / f"{self.name}-%j.out")]  # fmt: skip
             self.cmd = ["sbatch", *opts, str(SBATCH_SCRIPT), fit[1], *fit[2:], *extra]
-        self.proc: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []  # one per torchrun agent (a "node"), or the one process
+        self.store: Any = None  # several agents: their rendezvous store, held here as a head node's etcd would be
+        self.round = 0  # a new rendezvous id for each start of the whole job
+        self.replaced = 0  # agents started again alone, as a replacement node joins the ones still running
         self.job_id = ""
         self.started = 0
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The first agent (or the one process); None under Slurm or before the start."""
+        return self.procs[0] if self.procs else None
+
+    def _agent_command(self) -> list[str]:
+        """The command of one agent: a standalone torchrun, or one of ``--nodes`` agents that meet in this tool's
+        store (``is_host=false``: none of them hosts it, so no agent's death takes the rendezvous with it)."""
+        if self.args.launcher != "torchrun":
+            return self.cmd
+        if self.args.nodes == 1:
+            rdzv = ["--standalone"]
+        else:
+            rdzv = ["--nnodes", str(self.args.nodes), "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                    f"127.0.0.1:{self.store.port}", "--rdzv_id", f"{self.name}-{self.round}",
+                    "--rdzv_conf", "is_host=false,join_timeout=120"]  # fmt: skip
+        return [*self.cmd[:3], *rdzv, *self.cmd[3:]]
+
+    def _spawn(self) -> subprocess.Popen:
+        with open(self.log, "a") as log:
+            return subprocess.Popen(
+                self._agent_command(), env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def start(self) -> None:
         self.started += 1
@@ -103,15 +131,29 @@ class Job:
                 raise RuntimeError(f"sbatch failed: {out.stderr.strip()}")
             self.job_id = out.stdout.strip().split(";")[0]
             return
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        agents = self.args.nodes if self.args.launcher == "torchrun" else 1
+        if agents > 1:
+            if self.store is None:
+                from torch.distributed import TCPStore
+
+                self.store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+            self.round += 1
+        self.procs = [self._spawn() for _ in range(agents)]
 
     def poll(self) -> int | None:
-        """None while running (a requeued Slurm job, pending again, included); else 0 or a failure status."""
-        if self.proc is not None:
-            return self.proc.poll()
+        """None while running (a requeued Slurm job, pending again, included); else 0 or a failure status. An
+        agent SIGKILLed while others run is started again (a replacement node), up to once per fault and node."""
+        if self.procs:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return next((c for c in codes if c != 0), 0)
+            for i, code in enumerate(codes):
+                # SIGKILLed (a `node` fault), not an agent that gave up: the others would wait for it at their
+                # join timeout
+                if code == -signal.SIGKILL and self.replaced < self.args.faults + self.args.nodes:
+                    self.replaced += 1
+                    self.procs[i] = self._spawn()
+            return None
         try:
             out = subprocess.run(
                 ["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=30
@@ -125,9 +167,9 @@ class Job:
 
     def targets(self) -> list[tuple[int, int]]:
         """``(rank, pid)`` of the training processes, by rank (none under Slurm: its tasks are reached by scancel)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return []
-        return sorted((rank_of(pid), pid) for pid in workers(self.proc, self.args.launcher))
+        return sorted(
+            (rank_of(pid), pid) for p in self.procs if p.poll() is None for pid in workers(p, self.args.launcher)
+        )
 
     def inject(self, fault: Fault, deadline: float) -> str | None:
         """Injects ``fault``; returns the target's description, or None when there was none (the job ended)."""
@@ -143,7 +185,7 @@ class Job:
             except subprocess.TimeoutExpired:
                 return None  # a busy controller: the fault is tried again once the job is back
         targets = self.targets()
-        if not targets or self.proc is None:
+        if not targets:
             return None
         rank, pid = targets[min(int(fault.target * len(targets)), len(targets) - 1)]
         if fault.kind == "save":  # the process that writes, the moment its temporary file appears
@@ -151,16 +193,24 @@ class Job:
             if found is None:
                 return None
             rank, pid = rank_of(found), found
-        if fault.kind == "node":  # the agent and its workers at once, as when the machine goes
-            for victim in [self.proc.pid, *(p for _, p in targets)]:
+        if fault.kind == "node":  # an agent and its workers at once, as when the machine goes
+            running = [p for p in self.procs if p.poll() is None]
+            if not running:
+                return None
+            agent = running[min(int(fault.target * len(running)), len(running) - 1)]
+            victims = [agent.pid, *workers(agent, self.args.launcher)]
+            for victim in victims:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, signal.SIGKILL)
-            return f"agent + {len(targets)} workers"
+            where = f" {self.procs.index(agent)}" if len(self.procs) > 1 else ""
+            return f"agent{where} + {len(victims) - 1} workers"
         signum = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hang": signal.SIGSTOP, "save": signal.SIGKILL,
                   "validation": signal.SIGKILL}  # fmt: skip
         os.kill(pid, signum[fault.kind])
         if fault.kind == "term" and self.args.launcher == "torchrun":
-            os.kill(self.proc.pid, signal.SIGTERM)  # the agent: a preemption of the whole job
+            for agent in self.procs:  # every agent: a preemption of the whole job
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(agent.pid, signal.SIGTERM)
         return f"rank {rank}"
 
     def _kill_slurm_node(self, target: float) -> str | None:
@@ -220,8 +270,8 @@ class Job:
             if self.job_id:
                 subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
             return
-        if self.proc is not None:  # torchrun's workers run in sessions of their own, a frozen one included
-            for pid in [*workers(self.proc, self.args.launcher), self.proc.pid]:
+        for agent in self.procs:  # torchrun's workers run in sessions of their own, a frozen one included
+            for pid in [*workers(agent, self.args.launcher), agent.pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 

@@ -57,6 +57,26 @@ def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
+def test_chaos_with_two_torchrun_agents_survives_a_lost_node(tmp_path: Path, runner: Runner, seed: int) -> None:
+    """``--nnodes 2``: two agents of one process each meet in the tool's rendezvous store. A node fault SIGKILLs
+    one agent with its worker; the other agent restarts its worker and waits, and a replacement agent joins
+    (the job's own second restart, not a relaunch); a worker SIGKILLed; both in an order drawn from the seed:
+    bit-identical, the table naming the agent."""
+    fit = [*compose("trainer/ddp", "regression/multinode", "checkpoint/fault_tolerant"), "--trainer.max_epochs", "60"]
+    cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--faults", "2",
+                  "--kinds", "node", "kill", "--seed", str(seed), "--root", str(tmp_path), "--", *fit)  # fmt: skip
+    result = runner.run(cmd, timeout=360)
+    log = (tmp_path / "faulted.log").read_text()
+    assert result.returncode == 0, result.stdout[-6000:] + log[-6000:]
+    assert "identical: the faulted run ends bit for bit" in result.stdout
+    [node] = [row for row in fault_table(result.stdout) if row[1] == "node"]
+    assert node[2] == "agent" and node[4] == "+", node  # agent K + 1 workers
+    assert "restart 2 of this job" in log and log.count("Starting with 2 processes") == 3, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
 def test_chaos_under_torchrun_finds_mingpt_exact(tmp_path: Path, runner: Runner, seed: int, tiny_text: Path) -> None:
     """minGPT (AdamW + Muon, warmup and cosine, dropout, validation every 5 steps, the throughput monitor) on a tiny
     text under torchrun: a worker SIGKILLed and a checkpoint's writer SIGKILLed mid-write, at moments drawn from
