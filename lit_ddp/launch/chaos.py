@@ -13,7 +13,8 @@ injected from outside, then compares the two final checkpoints bit for bit.
   its workers, the others restart their workers and wait, and the tool starts a replacement agent.
   ``slurm``: ``sbatch --nodes N --ntasks-per-node P
   slurm/train.sbatch CONFIG ARGS`` (CONFIG: the first ``--config`` of ARGS) on the cluster ``sbatch`` reaches;
-  a job that ends failed is submitted again, as an operator would.
+  a job that ends failed is submitted again, as an operator would. ``--sbatch slurm/train_elastic.sbatch``: one
+  torchrun agent per node with P workers (``NPROC_PER_NODE``), which restarts them (``MAX_RESTARTS``).
 - Fault kinds (each chosen kind once before any comes again): ``kill`` (SIGKILL of one worker, a crash),
   ``term`` (SIGTERM of the job, a preemption or ``scancel``: the run saves at a step boundary and exits 143),
   ``hang`` (SIGSTOP of one worker, torchrun only: the others fail at the collective timeout, which the tool
@@ -51,7 +52,7 @@ import time
 from pathlib import Path
 
 from lit_ddp.launch.chaos_compare import compare
-from lit_ddp.launch.chaos_job import SBATCH_SCRIPT, Fault, Job
+from lit_ddp.launch.chaos_job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
 from lit_ddp.launch.errors import UsageError
 
 KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
@@ -59,8 +60,11 @@ KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
 LAUNCHER_KINDS = {
     "single": ("kill", "term", "save", "validation"),
     "torchrun": ("kill", "term", "hang", "node", "save", "validation"),
-    "slurm": ("node", "term", "validation", "usr1"),
+    "slurm": ("kill", "node", "term", "validation", "usr1"),
 }
+# slurm/train_elastic.sbatch: a torchrun agent per node restarts its workers; it has no SIGUSR1 handler (a USR1 would
+# end the agent), and a frozen worker is torchrun's to end.
+ELASTIC_KINDS = ("kill", "hang", "node", "term", "validation")
 CKPT_STEP = re.compile(r"step=(\d+)")
 RESUMED = re.compile(r"Resumed from \S+ at global_step (\d+)")
 
@@ -91,6 +95,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun: processes; slurm: tasks per node")
     parser.add_argument("--nodes", "--nnodes", type=int, default=1, help="slurm: nodes; torchrun: agents here")
     parser.add_argument("--max-restarts", type=int, default=None, help="torchrun's (default: --faults)")
+    parser.add_argument(
+        "--sbatch", type=Path, default=SBATCH_SCRIPT, help=f"slurm: the script (default {SBATCH_SCRIPT})"
+    )
     parser.add_argument("--faults", type=int, default=2, help="faults to inject (>= 1)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: kill term (slurm: usr1 node)")
     parser.add_argument("--seed", type=int, default=None, help="replays a fault schedule (printed)")
@@ -106,19 +113,21 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise UsageError(f"--nodes {args.nodes}: give 1 for --launcher single, at least 1 for torchrun and slurm")
     if args.max_restarts is None:
         args.max_restarts = args.faults
-    possible = LAUNCHER_KINDS[args.launcher]
+    args.elastic = args.launcher == "slurm" and args.sbatch.name == ELASTIC_SCRIPT.name
+    possible = ELASTIC_KINDS if args.elastic else LAUNCHER_KINDS[args.launcher]
     if args.kinds is None:
         args.kinds = ["usr1", "node"] if args.launcher == "slurm" else ["kill", "term"]
     if wrong := [k for k in args.kinds if k not in possible]:
         raise UsageError(
-            f"--kinds {' '.join(wrong)}: --launcher {args.launcher} injects {', '.join(possible)}"
+            f"--kinds {' '.join(wrong)}: --launcher {args.launcher}{' with ' + str(args.sbatch) if args.elastic else ''} "
+            f"injects {', '.join(possible)}"
             + (" (one process has no peer to wait for a frozen one)" if "hang" in wrong else "")
         )
     if args.launcher == "slurm":
         if shutil.which("sbatch") is None:
             raise UsageError("--launcher slurm needs Slurm's sbatch on PATH (none here): run it where you submit jobs")
-        if not SBATCH_SCRIPT.is_file():
-            raise UsageError(f"--launcher slurm submits {SBATCH_SCRIPT}: run lit-ddp chaos from the repository root")
+        if not args.sbatch.is_file():
+            raise UsageError(f"--sbatch {args.sbatch}: no such script (run lit-ddp chaos from the repository root)")
         if fit[0] != "--config" or len(fit) < 2:
             raise UsageError("--launcher slurm: the fit arguments start with the step config, `-- --config CONFIG ...`")
     if args.rtol < 0:

@@ -18,6 +18,7 @@ HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a fro
 PHASE_PROBE = "lit_ddp.launch.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
 PHASE_FILE = ".chaos_phase"  # where it tells it, in the run directory
 SBATCH_SCRIPT = Path("slurm/train.sbatch")
+ELASTIC_SCRIPT = Path("slurm/train_elastic.sbatch")
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,15 @@ class Job:
             self.cmd = [*launcher, "-m", "lit_ddp", "fit", *fit, *extra]
         else:
             self.env.setdefault("LIT_DDP_PYTHON", sys.executable)
-            opts = ["--parsable", "--nodes", str(args.nodes), "--ntasks-per-node", str(args.nproc_per_node),
+            tasks = args.nproc_per_node
+            if args.elastic:  # one agent per node, which starts the node's workers
+                tasks, torchrun = 1, Path(sys.executable).with_name("torchrun")
+                self.env.update(NPROC_PER_NODE=str(args.nproc_per_node), MAX_RESTARTS=str(args.max_restarts))
+                if torchrun.is_file():
+                    self.env.setdefault("LIT_DDP_TORCHRUN", str(torchrun))
+            opts = ["--parsable", "--nodes", str(args.nodes), "--ntasks-per-node", str(tasks),
                     "-J", f"chaos-{args.seed}-{self.name}", "-o", str(args.root / f"{self.name}-%j.out")]  # fmt: skip
-            self.cmd = ["sbatch", *opts, str(SBATCH_SCRIPT), fit[1], *fit[2:], *extra]
+            self.cmd = ["sbatch", *opts, str(args.sbatch), fit[1], *fit[2:], *extra]
         self.procs: list[subprocess.Popen] = []  # one per torchrun agent (a "node"), or the one process
         self.store: Any = None  # several agents: their rendezvous store, held here as a head node's etcd would be
         self.round = 0  # a new rendezvous id for each start of the whole job
@@ -181,7 +188,9 @@ class Job:
                     cmd = ["scancel", f"--signal={fault.kind.upper()}", self.job_id]
                     subprocess.run(cmd, capture_output=True, timeout=30)
                     return f"job {self.job_id}"
-                return self._kill_slurm_node(fault.target)
+                if fault.kind in ("kill", "hang"):  # one process of one node: a worker under train_elastic.sbatch
+                    return self._signal_slurm_node(fault.target, "STOP" if fault.kind == "hang" else "KILL", one=True)
+                return self._signal_slurm_node(fault.target, "KILL")
             except subprocess.TimeoutExpired:
                 return None  # a busy controller: the fault is tried again once the job is back
         targets = self.targets()
@@ -213,11 +222,13 @@ class Job:
                     os.kill(agent.pid, signal.SIGTERM)
         return f"rank {rank}"
 
-    def _kill_slurm_node(self, target: float) -> str | None:
-        """SIGKILLs this job's tasks on one of its nodes (a crash, where ``scancel --signal=KILL`` would cancel the
-        job with a SIGTERM first), from a step that overlaps the job's on that node; the job's own srun then ends
-        the other nodes' tasks (``--kill-on-bad-exit``) and the job fails. The tasks are told apart by their
-        environment, as the nodes of a one-machine test cluster share their processes."""
+    def _signal_slurm_node(self, target: float, signal_name: str, one: bool = False) -> str | None:
+        """Sends SIG``signal_name`` to this job's processes on one of its nodes (a crash, where ``scancel
+        --signal=KILL`` would cancel the job with a SIGTERM first), from a step that overlaps the job's on that
+        node: all of them (a lost node; the job's own srun then ends the other nodes' tasks,
+        ``--kill-on-bad-exit``, and the job fails), or with ``one`` the newest (a worker, under a torchrun agent).
+        The processes are told apart by their environment, as the nodes of a one-machine test cluster share their
+        processes."""
         out = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=30)
         nodelist = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f).get("NodeList", "")
         names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
@@ -225,14 +236,17 @@ class Job:
         if not nodes:
             return None  # not running (pending after a requeue): try again once it is back
         node = nodes[min(int(target * len(nodes)), len(nodes) - 1)]
-        # the tasks, not the job's srun (its command line names lit_ddp fit too, and it runs on the first node), nor
-        # this shell
-        kill = (f"for p in $(pgrep -f 'lit_ddp fit'); do [ $p != $$ ] && [ \"$(cat /proc/$p/comm)\" != srun ] && "
-                f"grep -qz '^SLURM_JOB_ID={self.job_id}$' /proc/$p/environ && "
-                f"grep -qz '^SLURMD_NODENAME={node}$' /proc/$p/environ && kill -9 $p; done; true")  # fmt: skip
+        newest = 'ps=$(printf "%s\\n" $ps | sort -n | tail -n 1); '
+        # the job's processes, not its srun (its command line names lit_ddp fit too, and it runs on the first node),
+        # nor this script's shells (theirs does too)
+        kill = (f"ps=''; for p in $(pgrep -f 'lit_ddp fit'); do c=$(cat /proc/$p/comm); [ \"$c\" != srun ] && "
+                f"[ \"$c\" != bash ] && grep -qz '^SLURM_JOB_ID={self.job_id}$' /proc/$p/environ && "
+                f"grep -qz '^SLURMD_NODENAME={node}$' /proc/$p/environ && ps=\"$ps $p\"; done; "
+                f"{newest if one else ''}"
+                f"[ -n \"$ps\" ] && kill -{signal_name} $ps; true")  # fmt: skip
         step = ["srun", "--jobid", self.job_id, "--overlap", "-N1", "-n1", "-w", node, "bash", "-c", kill]
         subprocess.run(step, capture_output=True, timeout=60, env=self.env)
-        return f"node {node}"
+        return f"{'a process of ' if one else ''}node {node}"
 
     def progress(self) -> tuple[str, int, int] | None:
         """``(phase, global_step, pid)`` of the run's rank zero as it last told them

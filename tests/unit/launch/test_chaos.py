@@ -29,6 +29,10 @@ FIT = ["--", "--config", "configs/regression/single_device.yaml"]
         (["--launcher", "torchrun", "--kinds", "kill", "usr1", *FIT], "--kinds usr1: --launcher torchrun injects"),
         (["--rtol", "-1", *FIT], "--rtol -1.0: give 0 (bit for bit) or a positive"),
         (["--nnodes", "2", *FIT], "--nodes 2: give 1 for --launcher single, at least 1 for torchrun and slurm"),
+        (
+            ["--launcher", "slurm", "--sbatch", "slurm/train_elastic.sbatch", "--kinds", "usr1", *FIT],
+            "--kinds usr1: --launcher slurm with slurm/train_elastic.sbatch injects kill, hang, node, term, validation",
+        ),
     ],
 )
 def test_bad_use_gets_one_line_and_status_2(argv: list[str], says: str, capsys: pytest.CaptureFixture) -> None:
