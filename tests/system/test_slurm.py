@@ -1,6 +1,7 @@
-"""Slurm: the real local cluster (``slurm/local_cluster.sh``): srun, sbatch, preemption with requeue and resume,
-(train_elastic.sbatch under faults: ``test_slurm_multinode.py``, through ``lit-ddp chaos``). (The launch checks against fake environments, no cluster needed:
-``tests/unit/launch/``; the sbatch scripts' text: ``tests/unit/test_slurm_scripts.py``.)
+"""Slurm: the real local cluster (``slurm/local_cluster.sh``): srun, sbatch, preemption with requeue and resume.
+(train_elastic.sbatch under faults: ``test_slurm_multinode.py``, through ``lit-ddp chaos``; the launch checks
+against fake environments, no cluster needed: ``tests/unit/launch/``; the sbatch scripts' text:
+``tests/unit/test_slurm_scripts.py``.)
 
 Tests marked ``slurm`` skip when no cluster answers, and fail instead when ``CI=true``.
 """
