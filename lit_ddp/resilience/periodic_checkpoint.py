@@ -28,6 +28,12 @@ class PeriodicCheckpoint(ModelCheckpoint):
     newest K step checkpoints: ``monitor="step", mode="max", save_top_k=K``. With ``save_last``, a run that ends
     (``max_steps`` / ``max_epochs``) between two triggers also saves its last step as ``last.ckpt``.
 
+    A trigger that falls on a step after which Lightning validates or ends the epoch saves at the next step
+    instead (``step=N+1`` in the name): a resume from a checkpoint written before that validation skips it
+    (Lightning counts it as run, Lightning-AI/pytorch-lightning#14579), so a kill during it would lose its
+    ``val/*`` points and the random draws it makes, and a resume after an epoch's last batch skips the epoch's
+    end (its ``*_epoch`` metrics). The last step of the run is saved by ``save_last`` as above.
+
     Args:
         every_n_train_steps: save after every this many optimizer steps (``None`` or 0: never by steps).
         train_time_interval: save when this much time has passed since the last save (``None``: never by time).
@@ -51,6 +57,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
         self._configured_interval = train_time_interval  # for state_key, which must not follow the swap below
         self._state_key: str | None = None
         self._time_due = DeferredFlag("broadcast")  # rank zero's "the time interval has passed"
+        self._due_after_boundary = False  # a trigger fell on a step that validation or an epoch's end followed
 
     @property
     def state_key(self) -> str:
@@ -105,15 +112,35 @@ class PeriodicCheckpoint(ModelCheckpoint):
             return  # inside a gradient-accumulation window: a save would lose the partial gradients (every rank alike)
         interval = self._train_time_interval
         if interval is None or not pl_module.automatic_optimization:
-            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return self._save_unless_at_a_boundary(trainer, pl_module, outputs, batch, batch_idx, time_due=False)
         due = self._time_due_last_step()
         self._start_time_broadcast(trainer, interval)
         # ModelCheckpoint's own logic, with its time trigger fired (zero interval) only on the agreed steps.
-        self._train_time_interval = timedelta(0) if due else None
+        self._train_time_interval = None
+        try:
+            self._save_unless_at_a_boundary(trainer, pl_module, outputs, batch, batch_idx, time_due=due)
+        finally:
+            self._train_time_interval = interval
+
+    def _save_unless_at_a_boundary(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, time_due: bool
+    ) -> None:
+        """ModelCheckpoint's step save, moved to the next step when validation or the epoch's end follows this one
+        (see the class docstring); every rank decides alike."""
+        steps = self._every_n_train_steps
+        due = time_due or self._due_after_boundary or (steps >= 1 and trainer.global_step % steps == 0)
+        if not due:
+            return
+        if compat.validation_due(trainer) or batch_idx + 1 >= trainer.num_training_batches:
+            self._due_after_boundary = True
+            return
+        self._due_after_boundary = False
+        self._every_n_train_steps, self._train_time_interval = 1, None  # fire at this step
         try:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         finally:
-            self._train_time_interval = interval
+            self._every_n_train_steps = steps
+        self._last_time_checked = time.monotonic()  # the time trigger counts from the last save
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._time_due_last_step()  # every rank ends at the same step: nothing left in flight

@@ -53,6 +53,23 @@ def test_step_and_time_triggers(tmp_path: Path, every: int, interval: timedelta,
     assert saved_steps(tmp_path, every, interval) == expected
 
 
+def test_a_trigger_before_validation_or_an_epoch_end_saves_at_the_next_step(tmp_path: Path) -> None:
+    """Epochs of 8 batches, validation every 4 and at each epoch's end: the trigger at steps 4 and 12 (validation
+    follows) saves at 5 and 13, the one at 8 (the epoch ends) at 9, each after the validation ran; the run's last
+    step (16) is last.ckpt's."""
+    ckpt = PeriodicCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=4, monitor="step",
+                              mode="max", save_top_k=-1, save_last=True)  # fmt: skip
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=16, callbacks=[ckpt], logger=False, val_check_interval=4,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(RegressionModule(), RegressionDataModule(num_samples=288, batch_size=32))
+    assert trainer.num_training_batches == 8
+    assert sorted(int(p.stem.split("=")[1]) for p in (tmp_path / "ckpt").glob("step=*.ckpt")) == [5, 9, 13]
+    for step in (5, 13):  # the epoch's validation batches so far (a new epoch starts its count at 0)
+        loops = torch.load(tmp_path / "ckpt" / f"step={step}.ckpt", weights_only=False)["loops"]["fit_loop"]
+        assert loops["epoch_loop.val_loop.batch_progress"]["total"]["completed"] > 0, step
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 16
+
+
 def test_resume_keeps_top_k_and_one_last(tmp_path: Path) -> None:
     """Saves made while the time trigger is swapped in keep the state key a resume looks up: the resumed run
     still deletes beyond save_top_k and overwrites last.ckpt (no last-v1.ckpt)."""
