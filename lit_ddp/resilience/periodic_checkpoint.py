@@ -30,7 +30,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
 
     A trigger that falls on a step after which Lightning validates or ends the epoch saves at the next step
     instead (``step=N+1`` in the name): a resume from a checkpoint written before that validation skips it
-    (Lightning counts it as run, Lightning-AI/pytorch-lightning#14579), so a kill during it would lose its
+    (Lightning counts it as run: the discrepancy of Lightning-AI/pytorch-lightning#14579), so a kill during it would lose its
     ``val/*`` points and the random draws it makes, and a resume after an epoch's last batch skips the epoch's
     end (its ``*_epoch`` metrics). The last step of the run is saved by ``save_last`` as above.
 
