@@ -169,11 +169,12 @@ def run_reference(job: Job, timeout: float) -> tuple[float, float] | None:
 
 
 def checkpoint_interval(run: Path) -> int:
-    """Optimizer steps between the step checkpoints of a finished run: the smallest gap between those it kept, or
-    the step of its only one."""
+    """Optimizer steps between the step checkpoints of a finished run: the median gap between those it kept (a
+    save moved past a validation makes one gap a step longer and the next a step shorter), or the step of its
+    only one."""
     steps = checkpoint_steps(run)
-    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
-    return min(gaps) if gaps else max(steps[0], 1)
+    gaps = sorted(b - a for a, b in zip(steps, steps[1:], strict=False) if b > a)
+    return gaps[len(gaps) // 2] if gaps else max(steps[0], 1)
 
 
 def run_faulted(job: Job, schedule: list[Fault], every: int, span: float, timeout: float) -> tuple[list[dict], float]:

@@ -80,13 +80,20 @@ def test_the_same_seed_plans_the_same_faults(seed: int) -> None:
 
 
 def test_faults_come_at_steps_within_the_checkpoint_interval(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """The interval is the smallest gap between the kept step checkpoints (or the only one's step); the table gives
+    """The interval is the median gap between the kept step checkpoints (or the only one's step); the table gives
     the steps a fault cost (the step it hit less the step resumed from; none after a preemption that saved past
     it) and "-" where the job never trained the fault's step again."""
     (tmp_path / "checkpoints").mkdir()
     for name in ("epoch=3-step=100.ckpt", "epoch=5-step=150.ckpt", "epoch=7-step=200.ckpt", "last.ckpt"):
         (tmp_path / "checkpoints" / name).touch()
     assert checkpoint_interval(tmp_path) == 50
+    (tmp_path / "checkpoints" / "epoch=6-step=201.ckpt").touch()  # a save moved past a validation
+    (tmp_path / "checkpoints" / "epoch=7-step=200.ckpt").unlink()
+    (tmp_path / "checkpoints" / "epoch=8-step=250.ckpt").touch()
+    assert checkpoint_interval(tmp_path) == 50  # gaps 49, 50, 51
+    (tmp_path / "checkpoints" / "epoch=6-step=201.ckpt").unlink()
+    (tmp_path / "checkpoints" / "epoch=8-step=250.ckpt").unlink()
+    (tmp_path / "checkpoints" / "epoch=7-step=200.ckpt").touch()
     (tmp_path / "checkpoints" / "epoch=3-step=100.ckpt").unlink()
     (tmp_path / "checkpoints" / "epoch=5-step=150.ckpt").unlink()
     assert checkpoint_interval(tmp_path) == 200
