@@ -237,13 +237,14 @@ def run_faulted(job: Job, schedule: list[Fault], every: int, span: float, timeou
                 at = checkpoint_steps(job.root)[-1] + max(1, round(fault.delay * every))
                 if (now := job.progress()) is not None and now[1] >= at:
                     at += ((now[1] - at) // every + 1) * every
-                if not job.wait_for_step(at, min(deadline, time.monotonic() + span)):
+                if (seen := job.wait_for_step(at, min(deadline, time.monotonic() + span))) is None:
                     continue  # it ended, or is slow to get there: again once it is back
                 before = checkpoint_steps(job.root)
                 target = job.inject(fault, min(deadline, time.monotonic() + span))
-                hit = job.progress()
-                if target is not None and hit is not None:
-                    break  # else it ended meanwhile (or a `save` saw no write in time): again once it is back
+                if target is not None:  # injected: it counts once, whatever the job says after it
+                    hit = job.progress() or seen
+                    break
+                # else it ended meanwhile (or a `save` saw no write in time): again once it is back
             t = time.monotonic() - start
             faults.append({"kind": fault.kind, "target": target, "t": t, "step": before[-1], "at": hit[1],
                            "pid": hit[2], "lost": None})  # fmt: skip

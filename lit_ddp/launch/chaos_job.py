@@ -257,19 +257,19 @@ class Job:
         except (OSError, ValueError):
             return None
 
-    def wait_for_step(self, step: int, deadline: float) -> bool:
-        """Waits until the running job has trained ``step`` optimizer steps; False if it ended (or ``deadline``
-        passed) before."""
+    def wait_for_step(self, step: int, deadline: float) -> tuple[str, int, int] | None:
+        """Waits until the running job has trained ``step`` optimizer steps; returns its :meth:`progress` then, or
+        None if it ended (or ``deadline`` passed) before."""
         next_poll = 0.0
         while time.monotonic() < deadline:
             if (now := self.progress()) is not None and now[1] >= step:
-                return True
+                return now
             if time.monotonic() >= next_poll:
                 if self.poll() is not None:
-                    return False
+                    return None
                 next_poll = time.monotonic() + (0.05 if self.proc is not None else 1.0)  # Slurm: ask the controller
             time.sleep(0.0005)
-        return False
+        return None
 
     def _validating(self, deadline: float) -> bool:
         """Waits until the run's rank zero says a validation runs; False if none did before ``deadline``."""

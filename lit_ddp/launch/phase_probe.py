@@ -33,6 +33,8 @@ class PhaseProbe(Callback):
 
     @staticmethod
     def _write(trainer: Trainer, phase: str) -> None:
-        if trainer.is_global_zero:
-            with open(os.path.join(str(trainer.default_root_dir), PHASE_FILE), "w") as f:
+        if trainer.is_global_zero:  # written whole, then renamed: the tool never reads a half-written line
+            path = os.path.join(str(trainer.default_root_dir), PHASE_FILE)
+            with open(path + ".tmp", "w") as f:
                 f.write(f"{phase} {trainer.global_step} {os.getpid()}\n")
+            os.replace(path + ".tmp", path)

@@ -10,8 +10,9 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from lit_ddp.cli import cli_main
-from lit_ddp.launch.chaos import checkpoint_interval, plan, print_faults
+from lit_ddp.launch.chaos import checkpoint_interval, plan, print_faults, run_faulted
 from lit_ddp.launch.chaos_compare import compare_scalars, first_difference
+from lit_ddp.launch.chaos_job import Fault
 
 FIT = ["--", "--config", "configs/regression/single_device.yaml"]
 
@@ -103,6 +104,61 @@ def test_faults_come_at_steps_within_the_checkpoint_interval(tmp_path: Path, cap
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert rows == [["1", "kill", "rank", "1", "8.2", "372", "350", "350", "22", "3.0"],
                     ["2", "term", "rank", "0", "20.0", "410", "400", "413", "0", "-"]]  # fmt: skip
+
+
+class _JobWhoseProbeDiesWithItsWriter:
+    """A job as ``run_faulted`` sees it, whose rank zero is killed as it writes where it is: after each fault the
+    job's progress cannot be read once; it then resumes from its newest checkpoint and saves the next one."""
+
+    def __init__(self, root: Path, faults: int) -> None:
+        self.root, self.faults, self.step, self.injected = root, faults, 0, []
+        self.unreadable, self.resumed = False, ""
+        (root / "checkpoints").mkdir()
+        self._save(50)
+
+    def _save(self, step: int) -> None:
+        (self.root / "checkpoints" / f"step={step}.ckpt").touch()
+        self.step = step
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def poll(self) -> int | None:
+        return 0 if len(self.injected) == self.faults else None  # it finishes after the last fault
+
+    def progress(self) -> tuple[str, int, int] | None:
+        if self.unreadable:
+            self.unreadable = False
+            return None
+        self.step += 1
+        return "train", self.step, 1 + len(self.injected)
+
+    def wait_for_step(self, step: int, deadline: float) -> tuple[str, int, int] | None:
+        self.step = max(self.step, step)
+        return "train", self.step, 1 + len(self.injected)
+
+    def inject(self, fault: Fault, deadline: float) -> str:
+        self.injected.append((fault.kind, self.step))
+        self.unreadable = True
+        self.resumed += f"Resumed from last.ckpt at global_step {self.step // 50 * 50}\n"
+        self._save(self.step // 50 * 50 + 50)
+        return "rank 0"
+
+    def output(self) -> str:
+        return self.resumed
+
+
+def test_a_fault_counts_once_when_the_job_cannot_say_where_it_hit(tmp_path: Path) -> None:
+    """A fault injected is never injected again, even when the job cannot tell right after it which step it hit
+    (its rank zero killed as it wrote that): the step the job had reached just before stands for it."""
+    job = _JobWhoseProbeDiesWithItsWriter(tmp_path, faults=2)
+    schedule = [Fault("kill", 0.5, 0.0), Fault("kill", 0.2, 0.0)]
+    faults, _ = run_faulted(job, schedule, every=50, span=5.0, timeout=30.0)  # type: ignore[arg-type]
+    assert [kind for kind, _ in job.injected] == ["kill", "kill"]
+    assert [f["at"] for f in faults] == [step for _, step in job.injected] == [75, 110]
 
 
 def test_first_difference_names_the_entry() -> None:
