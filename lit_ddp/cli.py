@@ -23,6 +23,7 @@ from lit_ddp.generate import generate_main, sample
 from lit_ddp.launch.preflight import check_config_files
 from lit_ddp.launch.reporting import report, silence_library_noise
 from lit_ddp.resilience import ResilientCLI
+from lit_ddp.strategies import forward_is_collective
 from lit_ddp.tasks.mingpt import GPTModule
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
@@ -79,13 +80,15 @@ class LitDDPCLI(ResilientCLI):
 
     def after_fit(self) -> None:
         """Rank zero prints the best monitored value (unless the monitor is ``step``: keep-the-newest), its step and
-        file, the last checkpoint, and a text sample when the model is a GPT (local to rank zero: no collective
-        calls)."""
+        file, the last checkpoint, and a text sample when the model is a GPT (local to rank zero, except under
+        FSDP2, where every rank samples the same text: each forward all-gathers the shards)."""
         super().after_fit()  # the checkpoints: best monitored value, its step and file; the last one
-        if not self.trainer.is_global_zero:
+        if not isinstance(self.model, GPTModule):
             return
-        if isinstance(self.model, GPTModule):
-            print(f"sample:\n{sample(self.model)}")
+        if self.trainer.is_global_zero or forward_is_collective(self.model):
+            text = sample(self.model)
+            if self.trainer.is_global_zero:
+                print(f"sample:\n{text}")
 
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:

@@ -302,6 +302,14 @@ def set_strategy_timeout(strategy: Any, timeout: timedelta) -> None:
     strategy._timeout = timeout
 
 
+def set_model_parallel_sizes(strategy: Any, data_parallel_size: int, tensor_parallel_size: int) -> None:
+    """Gives a ``ModelParallelStrategy`` its mesh sizes before ``setup_environment`` builds the mesh: its "auto"
+    data-parallel size is ``num_nodes`` (tensor parallel within a node), where FSDP2 alone wants every process,
+    and the world size is known only once the Trainer has set the devices (no public setter)."""
+    strategy._data_parallel_size = data_parallel_size
+    strategy._tensor_parallel_size = tensor_parallel_size
+
+
 def set_process_group_timeout(timeout: timedelta) -> None:
     """Sets the default process group's timeout for the collectives that follow (torch's ``_set_pg_timeout``,
     gloo and NCCL; a no-op without a group)."""

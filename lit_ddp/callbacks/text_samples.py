@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
 
 from lit_ddp.generate import check_sampling, sample
+from lit_ddp.strategies import forward_is_collective
 from lit_ddp.tasks.mingpt import GPTModule
 
 
@@ -44,14 +44,18 @@ class TextSampleCallback(Callback):
         self.seed = seed
         self.last_sample: str | None = None
 
-    @rank_zero_only
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not isinstance(pl_module, GPTModule) or pl_module.vocab is None:
+            return
+        # rank zero samples; under FSDP2 every rank does, the same tokens: each forward all-gathers the shards
+        if not (trainer.is_global_zero or forward_is_collective(pl_module)):
             return
         prompt = self.prompt
         if prompt is not None and not all(c in pl_module.vocab for c in prompt):
             prompt = None  # the default
         text = sample(pl_module, prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed)
+        if not trainer.is_global_zero:
+            return
         self.last_sample = text
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):

@@ -245,3 +245,15 @@ def test_process_group_timeout_internals() -> None:
     import torch.distributed.distributed_c10d as c10d
 
     assert list(inspect.signature(c10d._set_pg_timeout).parameters) == ["timeout", "group"]
+
+
+def test_model_parallel_strategy_sizes_internals() -> None:
+    """``ModelParallelStrategy`` keeps its mesh sizes in ``_data_parallel_size`` / ``_tensor_parallel_size``, its
+    "auto" data-parallel size is still ``num_nodes`` (why FSDP2Strategy sets them) and it has no setter."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy()
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == ("auto", "auto")
+    assert "self._data_parallel_size = self.num_nodes" in inspect.getsource(ModelParallelStrategy.setup_environment)
+    compat.set_model_parallel_sizes(strategy, 4, 2)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 2)

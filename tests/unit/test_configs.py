@@ -4,6 +4,7 @@ minGPT step configs sample text and measure throughput with callbacks."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp.cli import cli_main
 from tests.helpers import CONFIGS, REPO, page_figures, readme_commands
@@ -21,6 +21,7 @@ from tests.helpers import CONFIGS, REPO, page_figures, readme_commands
 ALL = sorted(CONFIGS.rglob("*.yaml"))
 BASE = CONFIGS / "regression" / "single_device.yaml"
 DDP = "configs/trainer/ddp.yaml"
+FSDP = "configs/trainer/fsdp.yaml"
 # What slurm/train.sbatch composes before the config it is given (asserted in test_sbatch_composes_fragments).
 SBATCH_FRAGMENTS = [DDP, "configs/trainer/slurm.yaml"]
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -92,11 +93,12 @@ def test_readme_lists_every_step() -> None:
 
 
 def backend_on(strategy: dict, device: str) -> str:
-    """The process-group backend Lightning's DDPStrategy would use with this config on ``device``."""
+    """The process-group backend the config's strategy (DDP or FSDP2) would use on ``device``."""
     init_args = {k: v for k, v in strategy.get("init_args", {}).items() if k in ("process_group_backend", "timeout")}
-    ddp = DDPStrategy(**init_args)
-    ddp.parallel_devices = [torch.device(device, 0), torch.device(device, 1)]
-    return ddp._get_process_group_backend()
+    module, _, name = strategy["class_path"].rpartition(".")
+    instance = getattr(importlib.import_module(module), name)(**init_args)
+    instance.parallel_devices = [torch.device(device, 0), torch.device(device, 1)]
+    return instance._get_process_group_backend()
 
 
 @pytest.mark.parametrize("command", list(readme_compositions()), ids=lambda c: c.split()[-1])
@@ -112,7 +114,7 @@ def test_readme_command_backend_and_timeout(command: str, capsys: pytest.Capture
         assert trainer["strategy"] in ("auto", None), command
         return
     strategy = trainer["strategy"]
-    assert isinstance(strategy, dict) and strategy["class_path"].endswith("DDPStrategy"), command
+    assert isinstance(strategy, dict) and strategy["class_path"].endswith(("DDPStrategy", "FSDP2Strategy")), command
     assert strategy["init_args"]["process_group_backend"] is None, "no config may force a backend"
     assert backend_on(strategy, "cpu") == "gloo"
     assert backend_on(strategy, "cuda") == "nccl"
@@ -124,12 +126,12 @@ def test_readme_command_backend_and_timeout(command: str, capsys: pytest.Capture
 
 
 def test_multiprocess_configs_need_the_ddp_fragment(capsys: pytest.CaptureFixture) -> None:
-    """Every step config that starts several processes is composed with the DDP fragment in the README."""
+    """Every step config that starts several processes is composed with the DDP (or FSDP2) fragment first in the
+    README."""
     for command, configs in readme_compositions().items():
-        step = yaml.safe_load((REPO / configs[-1]).read_text())
-        trainer = step.get("trainer", {})
+        trainer = resolved(configs, capsys)["trainer"]
         if int(trainer.get("devices") or 1) * int(trainer.get("num_nodes") or 1) > 1:
-            assert DDP in configs and configs.index(DDP) == 0, command
+            assert configs[0] in (DDP, FSDP), command
 
 
 def leaves(node: object) -> int:

@@ -1,0 +1,104 @@
+"""FSDP2 through Lightning: ``ModelParallelStrategy`` sized for sharding over every process, sharding by config.
+
+The step after DDP in the torch.distributed overview: when the parameters, gradients and optimizer state of a
+model no longer fit on one device, FSDP2 (``fully_shard``) keeps ``1/world_size`` of each on every rank and
+all-gathers a block's parameters only while it computes. ``configs/trainer/fsdp.yaml`` names this strategy in
+place of DDP; the LightningModule stays the one DDP trains.
+"""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import FSDPModule
+
+from lit_ddp import compat
+from lit_ddp.models.parallelize import shard
+
+
+def forward_is_collective(module: nn.Module) -> bool:
+    """Whether ``module`` holds FSDP2 units: then each forward all-gathers parameters, so every rank must run it
+    (a text sample too: the same tokens everywhere, from a seeded generator)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` that applies FSDP2 itself, after ``configure_model``, with the
+    data-parallel size ``world_size / tensor_parallel_size``.
+
+    Lightning's ``ModelParallelStrategy`` leaves the sharding to each LightningModule's ``configure_model`` and
+    sizes its mesh ``num_nodes`` x devices per node (tensor parallel within a node); ``FSDPStrategy``, which
+    shards by a policy, is FSDP1 and refuses CPUs (Lightning issue 21812). Hence our own: the modules DDP trains
+    are sharded unchanged, by the ``units`` named in YAML (torchtitan's layout: a unit per block, the rest in the
+    root), and the same config runs on 2 CPU processes and on 8 GPUs. The sizes are set through
+    :func:`lit_ddp.compat.set_model_parallel_sizes`.
+
+    Args:
+        units: class paths of the modules that each become an FSDP unit (``lit_ddp.models.gpt.Block``); each of
+            the LightningModule's child modules with parameters is sharded as a root around them.
+        tensor_parallel_size: ranks per tensor-parallel group; only 1 (FSDP2 alone) has a plan yet.
+        save_distributed_checkpoint: True: a directory of shards per checkpoint (torch's Distributed
+            Checkpoint); False: one file with the full state, gathered on rank zero, as DDP writes.
+        process_group_backend: None: gloo on CPU, NCCL on CUDA.
+        timeout: the timeout of the process group's collectives.
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` other than 1; a unit that is not a module class; at set-up, a
+            LightningModule with ``compile=True`` (a compiled forward would skip the hooks that gather the shards),
+            or an optimizer whose ``state_dict`` lacks torch's ``state`` / ``param_groups`` (Muon + AdamW).
+    """
+
+    def __init__(
+        self,
+        units: list[str] | None = None,
+        tensor_parallel_size: int = 1,
+        save_distributed_checkpoint: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: no tensor-parallel plan yet: give 1")
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.tensor_parallel_size = tensor_parallel_size
+        self.units = tuple(_module_class(path) for path in units or [])
+
+    def setup_environment(self) -> None:
+        compat.set_model_parallel_sizes(self, self.world_size // self.tensor_parallel_size, self.tensor_parallel_size)
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if module.hparams.get("compile"):
+            raise ValueError("compile=True does not work with FSDP2Strategy yet: give false")
+        dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
+        for child in module.children():
+            if any(p.requires_grad for p in child.parameters()) and not forward_is_collective(child):
+                shard(child, self.device_mesh["data_parallel"], self.units, param_dtype=dtype)
+        super().setup(trainer)  # then the optimizers, over the shards
+        for optimizer in self.optimizers:  # torch's distributed state dict, which saves them, reads these keys
+            if not {"state", "param_groups"} <= optimizer.state_dict().keys():
+                raise ValueError(
+                    f"{type(optimizer).__name__} (optimizer 'muon': Muon + AdamW) has no state_dict that FSDP2 "
+                    "checkpoints can hold yet: give optimizer adamw"
+                )
+
+
+def _module_class(path: str) -> type[nn.Module]:
+    module, _, name = path.rpartition(".")
+    found = getattr(importlib.import_module(module), name, None) if module else None
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise ValueError(f"units: {path!r} is not a torch.nn.Module class (e.g. lit_ddp.models.gpt.Block)")
+    return found
