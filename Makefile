@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= configs/trainer/ddp.yaml configs/mingpt/cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save clean
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ bench-speed: venv
 # Seconds from a killed or hung worker to the first optimizer step after torchrun's restart (about 2 minutes).
 bench-recovery: venv
 	$(BIN)/python -m bench.recovery $(BENCH_ARGS)
+
+# FSDP2 against DDP: bytes per rank (tutorial-size GPT, 1 and 2 processes) and step time side by side (~10 min).
+bench-fsdp: venv
+	$(BIN)/python -m bench.fsdp $(BENCH_ARGS)
 
 bench-save: venv
 	$(BIN)/python -m bench.atomic_save $(BENCH_ARGS)

@@ -1,0 +1,175 @@
+"""What FSDP2 saves and costs against DDP (``make bench-fsdp``): bytes per rank, then step time side by side.
+
+1. **Memory**: per rank, the bytes of the parameters, gradients and AdamW state a training step leaves held, for
+   the tutorial's GPT (``gpt2_train_cfg.yaml``: 8 layers, 8 heads, n_embd 512, block_size 128; the embedded
+   text's 65 characters) under DDP and FSDP2 on 1 and 2 processes (gloo). The product's pieces: the GPT, the
+   optimizer of :func:`lit_ddp.recipe.build_optimizer`, :func:`lit_ddp.models.parallelize.shard` with a unit per
+   block. A DTensor counts its local shard. Not counted: activations, DDP's gradient buckets (as large again
+   as the gradients, unless ``gradient_as_bucket_view``) and the one block FSDP2 holds gathered while it
+   computes.
+2. **Step time**: ``lit-ddp fit`` with ``configs/trainer/fsdp.yaml`` over the same with ``ddp.yaml`` (the main
+   job's model and data with AdamW, ``configs/mingpt/fsdp.yaml``; validation and sampling off), 2 processes,
+   the two running in turns (:mod:`bench.turns`: this machine's speed drifts more than the effect), for
+   gpt-nano and for the tutorial's size (batch 4 per process here, to keep a step near a second).
+
+    .venv/bin/python -m bench.fsdp            # about 10 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from bench import turns
+from bench.framework_overhead import job_callbacks
+from bench.turns import started_path
+from lit_ddp.models.gpt import GPT, Block, GPTConfig
+from lit_ddp.models.parallelize import shard
+from lit_ddp.recipe import build_optimizer
+
+REPO = Path(__file__).resolve().parents[1]
+SIDES = ("ddp", "fsdp")  # a round: an FSDP2 turn over the DDP turn before it
+VOCAB_SIZE = 65  # the embedded Tiny Shakespeare's characters
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of ``tensor``: a DTensor's local shard, else the whole tensor."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """``{"params", "grads", "optimizer"}``: bytes this rank holds of each after a step."""
+    params = [p for p in model.parameters()]
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(local_bytes(t) for t in state),
+    }
+
+
+def _memory_worker(rank: int, world_size: int, strategy: str, port: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model: nn.Module = GPT(GPTConfig.from_preset("tutorial", vocab_size=VOCAB_SIZE, block_size=128))
+        if strategy == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shard(model, init_device_mesh("cpu", (world_size,)), units=(Block,))
+            trained = model
+        else:
+            trained = nn.parallel.DistributedDataParallel(model)
+        optimizer = build_optimizer(model, "adamw")
+        idx = torch.randint(0, VOCAB_SIZE, (2, 128), generator=torch.Generator().manual_seed(rank))  # (B, T)
+        _, loss = trained(idx, idx)
+        loss.backward()
+        optimizer.step()
+        out.put((rank, held_bytes(model, optimizer)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_memory(strategy: str, world_size: int) -> dict[str, int]:
+    """Rank zero's held bytes (every rank holds as much, to the shards' padding) for one strategy and size."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(
+        _memory_worker, args=(world_size, strategy, find_free_network_port(), out), nprocs=world_size,
+        start_method="spawn",
+    )  # fmt: skip
+    found = dict(out.get() for _ in range(world_size))
+    return found[0]
+
+
+def fit_command(strategy: str, steps: int, warmup: int, json_path: Path, root: Path, extra: list[str]) -> list[str]:
+    """``lit-ddp fit`` of the main job with AdamW under ``strategy``, validation and sampling off, a StepTimer."""
+    configs = [REPO / f"configs/trainer/{strategy}.yaml", REPO / "configs/mingpt/cpu.yaml"]
+    configs.append(REPO / "configs/mingpt/fsdp.yaml")
+    return [
+        sys.executable, "-m", "lit_ddp", "fit",
+        *(arg for path in configs for arg in ("--config", str(path.relative_to(REPO)))),
+        "--trainer.max_steps", str(steps),
+        "--trainer.val_check_interval", "100000",
+        "--trainer.check_val_every_n_epoch", "null",
+        f"--trainer.callbacks={json.dumps(job_callbacks(configs))}",  # without the text samples
+        "--trainer.callbacks+=bench.step_timer.StepTimer",
+        f"--trainer.callbacks.init_args.path={json_path}",
+        f"--trainer.callbacks.init_args.warmup_steps={warmup}",
+        f"--trainer.callbacks.init_args.started_path={started_path(json_path)}",
+        "--trainer.default_root_dir", str(root / strategy), "--trainer.enable_progress_bar", "false",
+        *extra,
+    ]  # fmt: skip
+
+
+def step_time_ratio(size: str, steps: int, warmup: int, slice_s: float, timeout: float) -> dict[str, Any]:
+    """FSDP2 / DDP step time of the main job at ``size`` (``gpt-nano`` or ``tutorial``), 2 processes, in turns."""
+    extra = [] if size == "gpt-nano" else ["--model.init_args.model_type", "tutorial", "--data.batch_size", "4"]
+    with tempfile.TemporaryDirectory(prefix="bench_fsdp_") as tmp:
+        work = Path(tmp)
+        paths = {side: work / f"{side}.json" for side in SIDES}
+        commands = {side: fit_command(side, steps, warmup, paths[side], work, extra) for side in SIDES}
+        result = turns.run_in_turns(commands, paths, work, slice_s, warmup, timeout)
+    starts = {side: result["records"][side]["step_starts"] for side in SIDES}
+    summary = turns.summarize_rounds(turns.pair_rounds(result, starts, warmup), *SIDES)
+    summary["slice_s"] = slice_s
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per side, gpt-nano")
+    parser.add_argument("--tutorial_steps", type=int, default=60, help="optimizer steps per side, tutorial size")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps of each side left out")
+    parser.add_argument("--slice_s", type=float, default=2.0, help="seconds each side runs before they swap")
+    parser.add_argument("--tutorial_slice_s", type=float, default=12.0, help="the same at the tutorial's size")
+    parser.add_argument("--parts", nargs="+", default=["memory", "gpt-nano", "tutorial"], help="what to measure")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before both sides are killed")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+
+    figures: dict[str, Any] = {"memory": {}, "step_time": {}}
+    if "memory" in args.parts:
+        print_memory(figures)
+    for size, steps, slice_s in (
+        ("gpt-nano", args.steps, args.slice_s),
+        ("tutorial", args.tutorial_steps, args.tutorial_slice_s),
+    ):
+        if size in args.parts:
+            summary = step_time_ratio(size, steps, args.warmup, slice_s, args.timeout)
+            figures["step_time"][size] = summary
+            print(f"{size}: FSDP2 / DDP step time, 2 processes, turns of {slice_s:g} s: {turns.describe(summary)}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1, default=str))
+    return figures
+
+
+def print_memory(figures: dict[str, Any]) -> None:
+    print("bytes per rank after a step, the tutorial's GPT (8 x 8 x 512, block_size 128), fp32 + AdamW:")
+    print(f"{'strategy':>8s} {'procs':>5s} {'params':>12s} {'grads':>12s} {'optimizer':>12s} {'total':>12s}")
+    for strategy in SIDES:
+        for world_size in (1, 2):
+            held = measure_memory(strategy, world_size)
+            total = sum(held.values())
+            figures["memory"][f"{strategy}-{world_size}"] = {**held, "total": total}
+            print(f"{strategy:>8s} {world_size:5d} " + " ".join(f"{v:12,d}" for v in (*held.values(), total)))
+    ratio = figures["memory"]["fsdp-2"]["total"] / figures["memory"]["ddp-2"]["total"]
+    print(f"FSDP2 on 2 / DDP on 2: {ratio:.3f} of the bytes per rank", flush=True)
+
+
+if __name__ == "__main__":
+    main()
