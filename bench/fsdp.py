@@ -12,7 +12,7 @@
    the two running in turns (:mod:`bench.turns`: this machine's speed drifts more than the effect), for
    gpt-nano and for the tutorial's size (batch 4 per process here, to keep a step near a second).
 
-    .venv/bin/python -m bench.fsdp            # about 10 minutes on 2 cores
+    .venv/bin/python -m bench.fsdp            # about 12 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def step_time_ratio(size: str, steps: int, warmup: int, slice_s: float, timeout:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per side, gpt-nano")
-    parser.add_argument("--tutorial_steps", type=int, default=60, help="optimizer steps per side, tutorial size")
+    parser.add_argument("--tutorial_steps", type=int, default=120, help="optimizer steps per side, tutorial size")
     parser.add_argument("--warmup", type=int, default=10, help="first steps of each side left out")
     parser.add_argument("--slice_s", type=float, default=2.0, help="seconds each side runs before they swap")
     parser.add_argument("--tutorial_slice_s", type=float, default=12.0, help="the same at the tutorial's size")
