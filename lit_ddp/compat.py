@@ -310,6 +310,15 @@ def set_model_parallel_sizes(strategy: Any, data_parallel_size: int, tensor_para
     strategy._tensor_parallel_size = tensor_parallel_size
 
 
+def dcp_storage_extents(metadata: Any) -> dict[str, int]:
+    """The bytes each storage file of a Distributed Checkpoint must hold at least: its entries' ``offset + length``
+    (DCP's ``Metadata.storage_data`` maps each tensor to a private ``_StorageInfo``), by file name."""
+    extents: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
+    return extents
+
+
 def set_process_group_timeout(timeout: timedelta) -> None:
     """Sets the default process group's timeout for the collectives that follow (torch's ``_set_pg_timeout``,
     gloo and NCCL; a no-op without a group)."""

@@ -15,6 +15,7 @@ import torch
 from jsonargparse import ArgumentParser
 
 from lit_ddp.data.char import decode, encode
+from lit_ddp.resilience import sharded
 from lit_ddp.resilience.resume import checkpoint_header
 from lit_ddp.tasks.mingpt import GPTModule
 
@@ -79,7 +80,8 @@ def sample(
 
 def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
     """A :class:`GPTModule` rebuilt from a checkpoint written by ``lit-ddp fit`` with it, in eval mode
-    (Lightning's ``load_from_checkpoint`` with ``weights_only=True``).
+    (Lightning's ``load_from_checkpoint`` with ``weights_only=True``). A sharded checkpoint's directory (FSDP2's
+    ``save_distributed_checkpoint``) is consolidated first, in memory (:func:`lit_ddp.resilience.sharded.as_file`).
 
     Raises:
         FileNotFoundError: ``ckpt_path`` does not exist.
@@ -87,7 +89,7 @@ def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
             (no ``hyper_parameters`` with a ``vocab``, or a state_dict that does not fit).
     """
     path = Path(ckpt_path)
-    if not path.is_file():
+    if not (path.is_file() or sharded.is_sharded(path)):
         raise FileNotFoundError(f"--ckpt_path {path}: no such file")
     not_gpt = f"--ckpt_path {path} is not a minGPT checkpoint (from lit-ddp fit with GPTModule)"
     try:  # the task that wrote it, from the header alone: another task's file would fail deep in torch.load
@@ -97,7 +99,8 @@ def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
     if isinstance(saved_class, str) and saved_class.rsplit(".", 1)[-1] != GPTModule.__name__:
         raise ValueError(f"{not_gpt}: it is a checkpoint of {saved_class}")
     try:
-        module = GPTModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+        source = sharded.as_file(path) if sharded.is_sharded(path) else path
+        module = GPTModule.load_from_checkpoint(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise ValueError(f"--ckpt_path {path}: cannot be loaded with torch.load(weights_only=True): {e}") from e
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lit_ddp import compat
 from lit_ddp.models.parallelize import shard
+from lit_ddp.resilience import sharded
 
 
 def forward_is_collective(module: nn.Module) -> bool:
@@ -44,7 +45,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             the LightningModule's child modules with parameters is sharded as a root around them.
         tensor_parallel_size: ranks per tensor-parallel group; only 1 (FSDP2 alone) has a plan yet.
         save_distributed_checkpoint: True: a directory of shards per checkpoint (torch's Distributed
-            Checkpoint); False: one file with the full state, gathered on rank zero, as DDP writes.
+            Checkpoint: each rank writes its own, and a checkpoint of N processes resumes on any number), put in
+            place atomically (:mod:`lit_ddp.resilience.sharded`); False: one file with the full state, gathered on
+            rank zero, as DDP writes.
         process_group_backend: None: gloo on CPU, NCCL on CUDA.
         timeout: the timeout of the process group's collectives.
 
@@ -72,6 +75,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.tensor_parallel_size = tensor_parallel_size
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self.units = tuple(_module_class(path) for path in units or [])
 
     def setup_environment(self) -> None:
@@ -94,6 +98,19 @@ class FSDP2Strategy(ModelParallelStrategy):
                     f"{type(optimizer).__name__} (optimizer 'muon': Muon + AdamW) has no state_dict that FSDP2 "
                     "checkpoints can hold yet: give optimizer adamw"
                 )
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's save; a sharded checkpoint goes to a hidden directory first, and rank zero swaps it into place
+        once every rank has written its shards (a kill mid-save leaves the previous checkpoint chosen)."""
+        if not self.save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = self.broadcast(str(filepath))
+        written: str = self.broadcast(sharded.temporary_directory(path) if self.is_global_zero else "")
+        super().save_checkpoint(checkpoint, written, storage_options)  # every rank its shards, rank zero meta.pt
+        self.barrier("lit_ddp_sharded_checkpoint_written")
+        if self.is_global_zero:
+            sharded.commit(written, path)
+        self.barrier("lit_ddp_sharded_checkpoint_committed")
 
 
 def _module_class(path: str) -> type[nn.Module]:

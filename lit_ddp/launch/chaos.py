@@ -294,7 +294,7 @@ def chaos_main(argv: list[str]) -> int:
         if took is None:
             print(f"lit-ddp chaos: the uninterrupted run failed; its output: {ref_job.log}", file=sys.stderr)
             return 1
-    if not (reference / "checkpoints" / "last.ckpt").is_file():
+    if not (reference / "checkpoints" / "last.ckpt").exists():  # a file, or a sharded directory
         print(f"lit-ddp: error: {reference} holds no checkpoints/last.ckpt", file=sys.stderr)
         return UsageError.exit_code
     if not checkpoint_steps(reference):

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from lit_ddp.resilience import sharded
+
 # Scalars that measure the machine, not the training: they differ between any two runs.
 TIMING_SCALARS = ("per_sec", "tokens/s", "mfu", "time")
 
@@ -64,10 +66,11 @@ def compare_scalars(reference: Path, faulted: Path, rtol: float = 0.0) -> str | 
 
 def compare(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
     """The first differing entry of the two runs: ``last.ckpt``'s global_step, weights, optimizer and schedulers,
-    then the TensorBoard scalars."""
+    then the TensorBoard scalars. A sharded ``last.ckpt/`` is consolidated first."""
+    paths = (r / "checkpoints" / "last.ckpt" for r in (reference, faulted))
     a, b = (
-        torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-        for r in (reference, faulted)
+        sharded.full_checkpoint(p) if sharded.is_sharded(p) else torch.load(p, map_location="cpu", weights_only=False)
+        for p in paths
     )
     for key in ("global_step", "state_dict", "optimizer_states", "lr_schedulers"):
         if (found := first_difference(a.get(key), b.get(key), key, rtol)) is not None:

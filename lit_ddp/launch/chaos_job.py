@@ -50,7 +50,8 @@ def rank_of(pid: int) -> int:
 
 def writer_of_temporary_checkpoint(root: Path, pids: list[int], deadline: float) -> int | None:
     """The pid among ``pids`` that holds a checkpoint's temporary file open (``.NAME.XXXX.tmp``, AtomicCheckpointIO's,
-    in ``root/checkpoints`` or ``root``), as soon as one appears; None if none did before ``deadline``."""
+    or a shard in such a directory, a sharded checkpoint's, in ``root/checkpoints`` or ``root``), as soon as one
+    appears; None if none did before ``deadline``."""
     folders = [root / "checkpoints", root]
     while time.monotonic() < deadline:
         for folder in folders:
@@ -62,7 +63,8 @@ def writer_of_temporary_checkpoint(root: Path, pids: list[int], deadline: float)
                             with contextlib.suppress(OSError):
                                 for fd in os.listdir(f"/proc/{pid}/fd"):
                                     with contextlib.suppress(OSError):
-                                        if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                                        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                                        if link == path or link.startswith(path + "/"):  # a file or a shard
                                             return pid
         time.sleep(0.0005)
     return None

@@ -266,8 +266,8 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
         )
     if not is_valid_checkpoint(str(ckpt_path)):
         raise UsageError(
-            f"--ckpt_path {ckpt_path} is truncated or not a checkpoint (not a complete torch.save archive); "
-            "pick another .ckpt from the run's checkpoints/ directory"
+            f"--ckpt_path {ckpt_path} is truncated or not a checkpoint (not a complete torch.save archive, nor a "
+            "sharded checkpoint's directory with all its shards); pick another .ckpt from the run's checkpoints/ directory"
         )
 
 

@@ -2,6 +2,7 @@
 ``lit-ddp`` builds on.
 
 - :mod:`~lit_ddp.resilience.checkpoint_io`: every save atomic, synchronous or in a background thread;
+- :mod:`~lit_ddp.resilience.sharded`: sharded (DCP) checkpoint directories, atomic too, read whole when needed;
 - :mod:`~lit_ddp.resilience.resume`: the resume point, the newest valid checkpoint, agreed by all ranks;
 - :mod:`~lit_ddp.resilience.exact_resume`: each rank's RNG and train-loader state in every checkpoint;
 - :mod:`~lit_ddp.resilience.periodic_checkpoint`: checkpoints every N steps and/or T seconds;

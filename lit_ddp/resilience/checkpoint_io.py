@@ -86,7 +86,7 @@ def _atomic_local_file(path: str) -> Iterator[BinaryIO]:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; a checkpoint gets the usual file mode
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes it 0600; a checkpoint gets the usual file mode
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -103,7 +103,7 @@ def _atomic_local_file(path: str) -> Iterator[BinaryIO]:
             os.remove(stale)
 
 
-def _umask() -> int:
+def umask() -> int:
     """This process's umask, read without changing it (``os.umask`` sets it, racing other threads)."""
     try:
         with open("/proc/self/status") as f:

@@ -220,7 +220,7 @@ def remove_older_hpc_checkpoints(path: str) -> None:
         older = HPC_NAME.fullmatch(posixpath.basename(other))
         if older is not None and int(older.group(1)) < int(this.group(1)):
             with contextlib.suppress(OSError):
-                fs.rm(other)
+                fs.rm(other, recursive=True)  # a sharded checkpoint is a directory
 
 
 def requeue_slurm_job() -> None:

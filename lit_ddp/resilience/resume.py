@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_ddp import compat
 from lit_ddp.launch.errors import NoValidCheckpointError, ResumePointError
+from lit_ddp.resilience import sharded
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,16 @@ def _join(fs: fsspec.AbstractFileSystem, root: str, *parts: str) -> str:
 
 
 def is_valid_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a complete ``torch.save`` archive (zip with intact CRCs).
+    """Whether ``path`` is a complete ``torch.save`` archive (zip with intact CRCs), or a sharded checkpoint's
+    directory with such a ``meta.pt`` and every shard its DCP metadata names (:mod:`lit_ddp.resilience.sharded`).
 
     Reads the whole file once (bytes), not the tensors into memory. A file truncated while being written,
     or one that is not a torch checkpoint at all, is invalid.
     """
+    if sharded.is_sharded(path) and not sharded.shards_complete(path):
+        return False
     try:
-        with fsspec.open(path, "rb") as f, zipfile.ZipFile(f) as zf:
+        with fsspec.open(sharded.meta_path(path), "rb") as f, zipfile.ZipFile(f) as zf:
             names = zf.namelist()
             if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
                 return False
@@ -68,13 +72,14 @@ class _HeaderUnpickler(pickle.Unpickler):
 
 def checkpoint_header(path: str) -> dict[str, Any]:
     """A checkpoint's dictionary without its tensors (they are ``None``), reading only its ``data.pkl``
-    record (a few KB), locally or through fsspec, and running no code from the file.
+    record (a few KB), locally or through fsspec, and running no code from the file. For a sharded checkpoint's
+    directory, that of its ``meta.pt`` (all but the parameters and optimizer states).
 
     Raises:
         ValueError: not a readable torch checkpoint.
     """
     try:
-        with fsspec.open(path, "rb") as f, zipfile.ZipFile(f) as zf:
+        with fsspec.open(sharded.meta_path(path), "rb") as f, zipfile.ZipFile(f) as zf:
             name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if name is None:
                 raise ValueError(f"{path} has no data.pkl")
@@ -141,7 +146,7 @@ def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list
 
 
 def _names(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
-    """The entry names (no directories) of ``directory``, local or through fsspec; none if it is missing."""
+    """The entry names (files and directories) of ``directory``, local or through fsspec; none if it is missing."""
     try:
         return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(url_to_fs(directory)[1], detail=False)]
     except FileNotFoundError:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_ddp.resilience import sharded
+from lit_ddp.resilience.resume import checkpoint_step, ranked_checkpoints
 from lit_ddp.tensorboard import read_scalars
 from tests.helpers import QUIET, Runner, compose, lit_ddp
 from tests.system.test_chaos import fault_table
@@ -49,10 +51,54 @@ def test_fsdp2_trains_what_ddp_trains(tmp_path: Path, runner: Runner) -> None:
         assert len(ddp) == points and ddp.keys() == fsdp.keys(), (tag, ddp, fsdp)
         worst = max(abs(fsdp[step] - ddp[step]) / abs(ddp[step]) for step in ddp)
         assert worst <= 1e-5, f"{tag}: {worst:.2e}"
-    ddp, fsdp = (torch.load(runs[s] / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"] for s in runs)
+    ddp, fsdp = (final(runs[s])["state_dict"] for s in runs)
     assert ddp.keys() == fsdp.keys()
     for name, tensor in ddp.items():
         assert (fsdp[name] - tensor).norm() <= 1e-5 * tensor.norm(), name
+
+
+def final(root: Path) -> dict:
+    """A run's ``last.ckpt``: a file (DDP), or FSDP2's sharded directory consolidated."""
+    last = root / "checkpoints" / "last.ckpt"
+    return sharded.full_checkpoint(last) if last.is_dir() else torch.load(last, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(
+    tmp_path: Path, runner: Runner, tiny_text: Path
+) -> None:
+    """Sharded checkpoints (configs/trainer/fsdp.yaml) of 2 processes resume on 1, and of 1 on 2, by an explicit
+    --ckpt_path into a new run directory: DCP reshards the parameters and AdamW's state, the sampler continues the
+    global order (global batch 16 either way; no dropout), and the 40 steps end with the parameters of the run that
+    was not interrupted, to float rounding (1e-5, relative, per tensor). Then ``lit-ddp generate`` samples from the
+    resumed run's sharded last.ckpt."""
+
+    def fit(root: Path, devices: int, *extra: str) -> str:
+        args = [*mingpt("fsdp", 40, tiny_text), "--model.dropout", "0.0", "--model.learning_rate", "3e-4",
+                "--data.batch_size", str(16 // devices), "--trainer.devices", str(devices),
+                "--trainer.default_root_dir", str(root), *extra]  # fmt: skip
+        result = runner.run(lit_ddp("fit", *args), timeout=240)
+        assert result.returncode == 0, result.stdout[-5000:]
+        return result.stdout
+
+    for first, then in ((2, 1), (1, 2)):
+        whole, resumed = tmp_path / f"whole_on_{first}", tmp_path / f"{first}_then_{then}"
+        fit(whole, first)
+        middle = next(p for step, p in ranked_checkpoints(str(whole)) if 15 < step < 25)  # step 21: validation at 20
+        assert Path(middle).is_dir() and (Path(middle) / sharded.META).is_file(), middle
+        assert f"at global_step {checkpoint_step(middle)}," in fit(resumed, then, "--ckpt_path", middle)
+        a, b = final(whole), final(resumed)
+        assert (a["global_step"], b["global_step"]) == (40, 40)
+        worst = max(((b["state_dict"][k] - t).norm() / t.norm()).item() for k, t in a["state_dict"].items())
+        print(f"{first} -> {then} processes: parameters within {worst:.1e} (relative, in norm) of the whole run's")
+        assert worst <= 1e-5, f"{first} -> {then}: {worst:.1e}"
+    last = resumed / "checkpoints" / "last.ckpt"
+    result = runner.run(
+        lit_ddp("generate", "--ckpt_path", str(last), "--prompt", "ROMEO:", "--max_new_tokens", "40"), timeout=120
+    )
+    assert result.returncode == 0 and "ROMEO:" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.slow
@@ -67,3 +113,28 @@ def test_chaos_under_torchrun_finds_fsdp2_exact(tmp_path: Path, runner: Runner, 
     assert result.returncode == 0, result.stdout[-6000:] + (tmp_path / "c" / "faulted.log").read_text()[-6000:]
     assert sorted(row[1] for row in fault_table(result.stdout)) == ["kill", "save"], result.stdout[-3000:]
     assert "identical: the faulted run ends bit for bit" in result.stdout
+
+
+@pytest.mark.slurm
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_chaos_under_slurm_finds_fsdp2_exact_on_two_nodes(
+    tmp_path: Path, runner: Runner, seed: int, tiny_text: Path
+) -> None:
+    """slurm/train.sbatch with the FSDP2 fragment on the two-node local cluster, one task per node, sharded
+    checkpoints: the job's USR1 preemption warning (saved, requeued by the script) and a SIGKILL of one node's task
+    (the job fails; the tool submits it again), in an order drawn from the seed: bit-identical, exit 0."""
+    from tests.system.helpers_slurm import require_cluster, slurm_env
+
+    require_cluster(nodes=2)
+    fit = mingpt("fsdp", 60, tiny_text)  # train.sbatch takes the step config first, composes the rest after it
+    step_config = fit.index(compose("mingpt/cpu")[1])
+    fit = ["--config", *fit[step_config : step_config + 1], *fit[: step_config - 1], *fit[step_config + 1 :]]
+    cmd = lit_ddp("chaos", "--launcher", "slurm", "--nodes", "2", "--nproc_per_node", "1", "--faults", "2",
+                  "--kinds", "usr1", "node", "--seed", str(seed), "--root", str(tmp_path), "--", *fit)  # fmt: skip
+    result = runner.run(cmd, timeout=540, **{k: v for k, v in slurm_env().items() if k.startswith("LIT_DDP")})
+    outputs = "".join(p.read_text() for p in sorted(tmp_path.glob("faulted-*.out")))
+    assert result.returncode == 0, result.stdout[-4000:] + outputs[-4000:]
+    assert sorted(row[1] for row in fault_table(result.stdout)) == ["node", "usr1"], result.stdout[-3000:]
+    assert "requeueing" in outputs and "identical: the faulted run ends bit for bit" in result.stdout
+    assert (tmp_path / "faulted" / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # sharded, under FSDP2

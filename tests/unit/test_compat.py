@@ -257,3 +257,15 @@ def test_model_parallel_strategy_sizes_internals() -> None:
     assert "self._data_parallel_size = self.num_nodes" in inspect.getsource(ModelParallelStrategy.setup_environment)
     compat.set_model_parallel_sizes(strategy, 4, 2)
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 2)
+
+
+def test_dcp_storage_extents_internals(tmp_path) -> None:
+    """A Distributed Checkpoint's metadata names, per tensor, the file and byte range that hold it (``_StorageInfo``
+    with ``relative_path``, ``offset``, ``length``): the ranges reach exactly to each file's end."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a": torch.ones(3), "b": torch.zeros(5, 2)}, checkpoint_id=str(tmp_path), no_dist=True)
+    extents = compat.dcp_storage_extents(dcp.FileSystemReader(str(tmp_path)).read_metadata())
+    assert extents and all(os.path.getsize(tmp_path / name) == end for name, end in extents.items()), extents

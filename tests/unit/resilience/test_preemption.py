@@ -137,6 +137,8 @@ def test_a_preemption_checkpoint_removes_the_older_ones(tmp_path: Path) -> None:
     ]
     for name in names:
         (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "hpc_ckpt_0.ckpt").mkdir()  # a sharded checkpoint (FSDP2) is a directory
+    (tmp_path / "hpc_ckpt_0.ckpt" / "meta.pt").write_bytes(b"x")
     remove_older_hpc_checkpoints(str(tmp_path / "hpc_ckpt_3.ckpt"))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "hpc_ckpt_10.ckpt",

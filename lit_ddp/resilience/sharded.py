@@ -1,0 +1,152 @@
+"""Sharded checkpoints (a directory of torch Distributed Checkpoint shards) that appear whole or not at all.
+
+Under ``FSDP2Strategy(save_distributed_checkpoint=True)`` a checkpoint is a directory named like the file it
+replaces (``last.ckpt/``, ``epoch=0-step=50.ckpt/``): DCP's ``.metadata`` and one ``__R_0.distcp`` per rank hold
+the parameters and optimizer state, each rank writing its own shards; Lightning's ``meta.pt`` holds the rest
+(global_step, loops, schedulers, the exact-resume state). Neither DCP nor Lightning makes that directory appear
+atomically: Lightning writes into the target itself, so a process killed mid-save leaves a torn ``last.ckpt/``
+in place of the previous one. No library does this part, hence our own code: every rank writes into a hidden
+sibling directory (``.NAME.XXXX.tmp``, which no ``*.ckpt`` glob matches), and rank zero swaps it into place
+once every rank is done (``renameat2(RENAME_EXCHANGE)`` on Linux). Resume selection
+(:mod:`lit_ddp.resilience.resume`) reads such a directory's step from ``meta.pt`` and checks that every shard
+file its ``.metadata`` names is there in full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from lit_ddp import compat
+from lit_ddp.resilience.checkpoint_io import umask
+
+META = "meta.pt"
+"""Lightning's file of a sharded checkpoint's non-tensor state (``lightning.fabric...._METADATA_FILENAME``)."""
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a sharded checkpoint's directory (a local path: DCP writes through the OS)."""
+    return os.path.isdir(path)
+
+
+def meta_path(path: str) -> str:
+    """The file that holds a checkpoint's header: ``path`` itself, or a sharded checkpoint's ``meta.pt``."""
+    return os.path.join(path, META) if is_sharded(path) else path
+
+
+def shards_complete(path: str | os.PathLike) -> bool:
+    """Whether every shard file the directory's DCP ``.metadata`` names is there, as long as the metadata says.
+
+    Raises nothing: an unreadable ``.metadata`` (a directory cut short or not a checkpoint) is incomplete.
+    """
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+        for name, end in compat.dcp_storage_extents(metadata).items():
+            if os.path.getsize(os.path.join(path, name)) < end:
+                return False
+    except Exception:  # noqa: BLE001 - DCP raises whatever unpickling a torn file raises
+        return False
+    return True
+
+
+def temporary_directory(path: str | os.PathLike) -> str:
+    """A new hidden directory beside ``path`` for a sharded checkpoint to be written into (rank zero makes it)."""
+    target = Path(path).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    written = tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.chmod(written, 0o777 & ~umask())  # mkdtemp makes it 0700; a checkpoint gets the usual directory mode
+    return written
+
+
+def commit(written: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Puts the sharded checkpoint written into ``written`` in place of ``path`` (a file, a directory or nothing)
+    so that readers of ``path`` see the old or the new checkpoint, never a mix; then removes the old one and the
+    temporary directories of writers of ``path`` that were killed. Rank zero, after every rank has written.
+
+    Raises:
+        OSError: the swap failed; ``path`` is as it was.
+    """
+    written, target = Path(written).absolute(), Path(path).absolute()
+    _fsync(written / META)
+    _fsync(written)
+    if not os.path.lexists(target):
+        os.replace(written, target)
+    elif not _exchange(written, target):
+        # No atomic exchange on this filesystem: two renames, with the old checkpoint kept under a hidden name in
+        # between (a kill there leaves no ``path``, and resume falls back to the next newest checkpoint).
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        os.replace(target, old / "old")
+        os.replace(written, target)
+    _fsync(target.parent)
+    for stale in glob.glob(os.path.join(glob.escape(str(target.parent)), f".{glob.escape(target.name)}.*.tmp")):
+        _remove(stale)
+
+
+def full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint as the dictionary a single-file one holds: ``meta.pt``'s entries plus ``state_dict``
+    and ``optimizer_states`` consolidated from the shards (DCP's ``dcp_to_torch_save``; full tensors, in memory).
+
+    Raises:
+        ValueError: ``path`` is not a complete sharded checkpoint.
+    """
+    if not (os.path.isfile(os.path.join(path, META)) and shards_complete(path)):
+        raise ValueError(f"{path} is not a complete sharded checkpoint (meta.pt and DCP shards)")
+    checkpoint = torch.load(os.path.join(path, META), map_location="cpu", weights_only=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(str(path), os.path.join(scratch, "full.pt"))
+        tensors = torch.load(os.path.join(scratch, "full.pt"), map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = tensors.pop("state_dict")
+    optimizers = sorted(
+        (int(key.split("_")[1]), state) for key, state in tensors.items() if key.startswith("optimizer_")
+    )
+    checkpoint["optimizer_states"] = [state for _, state in optimizers]
+    return checkpoint
+
+
+def as_file(path: str | os.PathLike) -> io.BytesIO:
+    """A sharded checkpoint as an in-memory single-file checkpoint (:func:`full_checkpoint`), for readers that take
+    a file, such as ``LightningModule.load_from_checkpoint``."""
+    buffer = io.BytesIO()
+    torch.save(full_checkpoint(path), buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``, glibc >= 2.28); False where unsupported."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        _remove(str(a))  # now the old checkpoint
+        return True
+    return False
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def _fsync(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
