@@ -59,6 +59,35 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     }
 
 
+class CollectiveCounter:
+    """Counts the collectives FSDP2 issues, by wrapping the two functions it calls (``dist.all_gather_single``,
+    ``dist.reduce_scatter_single``) while the block runs: calls and bytes of each call's output, per kind."""
+
+    NAMES = ("all_gather_single", "reduce_scatter_single")
+
+    def __init__(self) -> None:
+        self.calls = {name: 0 for name in self.NAMES}
+        self.bytes = {name: 0 for name in self.NAMES}
+
+    def __enter__(self) -> CollectiveCounter:
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name, real in self.saved.items():
+            setattr(dist, name, self._counting(name, real))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self.saved.items():
+            setattr(dist, name, real)
+
+    def _counting(self, name: str, real: Any) -> Any:
+        def call(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            self.bytes[name] += output.numel() * output.element_size()
+            return real(output, *args, **kwargs)
+
+        return call
+
+
 def _memory_worker(rank: int, world_size: int, strategy: str, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -74,16 +103,18 @@ def _memory_worker(rank: int, world_size: int, strategy: str, port: int, out: An
             trained = nn.parallel.DistributedDataParallel(model)
         optimizer = build_optimizer(model, "adamw")
         idx = torch.randint(0, VOCAB_SIZE, (2, 128), generator=torch.Generator().manual_seed(rank))  # (B, T)
-        _, loss = trained(idx, idx)
-        loss.backward()
+        with CollectiveCounter() as counter:
+            _, loss = trained(idx, idx)
+            loss.backward()
         optimizer.step()
-        out.put((rank, held_bytes(model, optimizer)))
+        out.put((rank, {"held": held_bytes(model, optimizer), "calls": counter.calls, "bytes": counter.bytes}))
     finally:
         dist.destroy_process_group()
 
 
-def measure_memory(strategy: str, world_size: int) -> dict[str, int]:
-    """Rank zero's held bytes (every rank holds as much, to the shards' padding) for one strategy and size."""
+def measure(strategy: str, world_size: int) -> dict[str, Any]:
+    """Rank zero's figures for one strategy and size: ``held`` bytes (every rank holds as much, to the shards'
+    padding), and the ``calls`` and output ``bytes`` of FSDP2's all-gathers and reduce-scatters in one step."""
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     ctx = mp.get_context("spawn")
@@ -94,6 +125,11 @@ def measure_memory(strategy: str, world_size: int) -> dict[str, int]:
     )  # fmt: skip
     found = dict(out.get() for _ in range(world_size))
     return found[0]
+
+
+def measure_memory(strategy: str, world_size: int) -> dict[str, int]:
+    """Rank zero's held bytes (:func:`measure`)."""
+    return measure(strategy, world_size)["held"]
 
 
 def fit_command(strategy: str, steps: int, warmup: int, json_path: Path, root: Path, extra: list[str]) -> list[str]:

@@ -69,3 +69,18 @@ def test_mingpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(val) == 3 and val[-1] < val[0] < 4.2  # below ln(65): better than uniform from the first check
     assert results["train_loss_last"] < results["train_loss_first"] - 1.0
     assert results["generated"].startswith("ROMEO:") and len(results["generated"]) == len("ROMEO:") + 300
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_fsdp2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each rank holds (FSDP2 on 2: half of DDP's bytes), the collectives per block, a sharded checkpoint
+    with a shard file per rank, text generated from it."""
+    results = execute("04_fsdp2", tmp_path, monkeypatch)
+    assert 0.49 < results["ratio"] < 0.51
+    n_layer = results["n_layer"]
+    assert results["calls"] == {"all_gather_single": 2 * n_layer + 1, "reduce_scatter_single": n_layer + 1}
+    files = results["checkpoint_files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= files.keys(), files
+    assert results["generated"].startswith("ROMEO:") and len(results["generated"]) == len("ROMEO:") + 200

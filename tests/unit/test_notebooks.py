@@ -11,7 +11,12 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
 def test_notebooks_are_committed_without_outputs() -> None:
-    assert [p.name for p in NOTEBOOKS] == ["01_what_is_ddp.ipynb", "02_regression_ddp.ipynb", "03_mingpt.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_what_is_ddp.ipynb",
+        "02_regression_ddp.ipynb",
+        "03_mingpt.ipynb",
+        "04_fsdp2.ipynb",
+    ]
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         nbformat.validate(nb)
