@@ -24,6 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # ---- the training loop's position
 
@@ -317,6 +318,13 @@ def dcp_storage_extents(metadata: Any) -> dict[str, int]:
     for info in metadata.storage_data.values():
         extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
     return extents
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """DTensor's private ``_StridedShard`` placement: ``dim`` cut into ``split_factor`` equal parts, each sharded over
+    the mesh dimension, every rank holding its slice of each part. The tensor-parallel layout of a fused q, k, v
+    projection (a rank's heads of q, of k and of v); the only placement torch has for it, made for FSDP2 + TP."""
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 def set_process_group_timeout(timeout: timedelta) -> None:

@@ -32,11 +32,9 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, 
                 decay[id(p)] = p
             else:
                 no_decay.setdefault(id(p), p)
-    for key in decay:
-        no_decay.pop(key, None)
     return [
         {"params": list(decay.values()), "weight_decay": weight_decay},
-        {"params": list(no_decay.values()), "weight_decay": 0.0},
+        {"params": [p for key, p in no_decay.items() if key not in decay], "weight_decay": 0.0},
     ]
 
 

@@ -16,22 +16,27 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lit_ddp import compat
-from lit_ddp.models.parallelize import shard
+from lit_ddp.models.parallelize import shard, tensor_parallel
 from lit_ddp.resilience import sharded
 
 
 def forward_is_collective(module: nn.Module) -> bool:
-    """Whether ``module`` holds FSDP2 units: then each forward all-gathers parameters, so every rank must run it
-    (a text sample too: the same tokens everywhere, from a seeded generator)."""
-    return any(isinstance(m, FSDPModule) for m in module.modules())
+    """Whether ``module`` holds FSDP2 units or tensor-parallel parameters (``DTensor``): then each forward all-gathers
+    or all-reduces, so every rank must run it (a text sample too: the same tokens everywhere, from a seeded
+    generator)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` that applies FSDP2 itself, after ``configure_model``, with the
-    data-parallel size ``world_size / tensor_parallel_size``.
+    """Lightning's ``ModelParallelStrategy`` that applies FSDP2 and tensor parallelism itself, after
+    ``configure_model``, on a ``world_size / tensor_parallel_size`` x ``tensor_parallel_size`` device_mesh.
 
     Lightning's ``ModelParallelStrategy`` leaves the sharding to each LightningModule's ``configure_model`` and
     sizes its mesh ``num_nodes`` x devices per node (tensor parallel within a node); ``FSDPStrategy``, which
@@ -43,7 +48,11 @@ class FSDP2Strategy(ModelParallelStrategy):
     Args:
         units: class paths of the modules that each become an FSDP unit (``lit_ddp.models.gpt.Block``); each of
             the LightningModule's child modules with parameters is sharded as a root around them.
-        tensor_parallel_size: ranks per tensor-parallel group; only 1 (FSDP2 alone) has a plan yet.
+        tensor_parallel_size: ranks per tensor-parallel group (a divisor of the world size); 1: FSDP2 alone. The
+            ranks of a group read the same batches; FSDP2 shards over the groups (when there is more than one).
+        tensor_parallel_plan: class path of the function that splits a model over the tensor-parallel mesh,
+            ``(module, mesh) -> module`` (:func:`gpt_tensor_parallel` for the GPT); needed
+            when ``tensor_parallel_size`` > 1.
         save_distributed_checkpoint: True: a directory of shards per checkpoint (torch's Distributed
             Checkpoint: each rank writes its own, and a checkpoint of N processes resumes on any number), put in
             place atomically (:mod:`lit_ddp.resilience.sharded`); False: one file with the full state, gathered on
@@ -52,8 +61,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         timeout: the timeout of the process group's collectives.
 
     Raises:
-        ValueError: ``tensor_parallel_size`` other than 1; a unit that is not a module class; at set-up, a
+        ValueError: ``tensor_parallel_size`` < 1, or > 1 without a plan; a unit that is not a module class, a plan
+            that is not a function; at set-up, a world size that ``tensor_parallel_size`` does not divide, or a
+            ``tensor_parallel_size`` between 1 and the world size (a 2-D mesh: not yet, see the message), a
             LightningModule with ``compile=True`` (a compiled forward would skip the hooks that gather the shards),
+            gradient clipping under tensor parallelism,
             or an optimizer whose ``state_dict`` lacks torch's ``state`` / ``param_groups`` (Muon + AdamW).
     """
 
@@ -61,12 +73,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         self,
         units: list[str] | None = None,
         tensor_parallel_size: int = 1,
+        tensor_parallel_plan: str | None = None,
         save_distributed_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: no tensor-parallel plan yet: give 1")
+        if tensor_parallel_size < 1 or (tensor_parallel_size > 1 and tensor_parallel_plan is None):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size}: give 1 (FSDP2 alone), or a size > 1 with "
+                "tensor_parallel_plan (e.g. lit_ddp.strategies.gpt_tensor_parallel)"
+            )
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=tensor_parallel_size,
@@ -77,8 +93,21 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.tensor_parallel_size = tensor_parallel_size
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.units = tuple(_module_class(path) for path in units or [])
+        self.plan = _function(tensor_parallel_plan) if tensor_parallel_plan else None
 
     def setup_environment(self) -> None:
+        if self.world_size % self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not divide the world size {self.world_size} "
+                "(nodes x devices): give a divisor of it"
+            )
+        if 1 < self.tensor_parallel_size < self.world_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} on {self.world_size} processes: FSDP2 over tensor-"
+                "parallel groups trains, but its full state dict comes back with c_attn's rows out of order (torch's "
+                "strided placements of q, k, v do not compose with FSDP2's yet): give tensor_parallel_size 1 or "
+                f"{self.world_size}"
+            )
         compat.set_model_parallel_sizes(self, self.world_size // self.tensor_parallel_size, self.tensor_parallel_size)
         super().setup_environment()
 
@@ -87,10 +116,20 @@ class FSDP2Strategy(ModelParallelStrategy):
         assert module is not None
         if module.hparams.get("compile"):
             raise ValueError("compile=True does not work with FSDP2Strategy yet: give false")
+        if self.plan is not None and trainer.gradient_clip_val:
+            raise ValueError(
+                f"trainer.gradient_clip_val={trainer.gradient_clip_val} with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: torch's clip_grad_norm_ cannot mix the split (DTensor) and the whole "
+                "parameters yet: give null"
+            )
         dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
+        mesh = self.device_mesh
         for child in module.children():
             if any(p.requires_grad for p in child.parameters()) and not forward_is_collective(child):
-                shard(child, self.device_mesh["data_parallel"], self.units, param_dtype=dtype)
+                if self.plan is not None:
+                    self.plan(child, mesh["tensor_parallel"])
+                if self.plan is None or mesh["data_parallel"].size() > 1:  # FSDP2 over one rank would only add hooks
+                    shard(child, mesh["data_parallel"], self.units, param_dtype=dtype)
         super().setup(trainer)  # then the optimizers, over the shards
         for optimizer in self.optimizers:  # torch's distributed state dict, which saves them, reads these keys
             if not {"state", "param_groups"} <= optimizer.state_dict().keys():
@@ -111,6 +150,22 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.is_global_zero:
             sharded.commit(written, path)
         self.barrier("lit_ddp_sharded_checkpoint_committed")
+
+
+def gpt_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """The GPT's tensor-parallel plan for ``tensor_parallel_plan`` (:func:`lit_ddp.models.parallelize.tensor_parallel`),
+    with q, k and v split by rows of each (``lit_ddp.compat.strided_shard``)."""
+    return tensor_parallel(model, mesh, compat.strided_shard(0, split_factor=3))
+
+
+def _function(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    found = getattr(importlib.import_module(module), name, None) if module else None
+    if not callable(found) or isinstance(found, type):
+        raise ValueError(
+            f"tensor_parallel_plan: {path!r} is not a function (e.g. lit_ddp.models.parallelize.tensor_parallel)"
+        )
+    return found
 
 
 def _module_class(path: str) -> type[nn.Module]:

@@ -15,7 +15,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_ddp.data.samplers import GlobalOrderSampler, evaluation_sampler
+from lit_ddp.data.samplers import GlobalOrderSampler, evaluation_sampler, this_process
 from lit_ddp.data.sources import DEFAULT_CACHE_DIR, TextSource
 
 
@@ -151,7 +151,7 @@ class CharDataModule(LightningDataModule):
         assert self.train_set is not None, "train_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
         # This rank's shard, resumed exactly. Keyword arguments: under DDP Lightning rebuilds the loader from them.
-        sampler = GlobalOrderSampler(self.train_set)  # rank and world size from the process group
+        sampler = GlobalOrderSampler(self.train_set, **this_process(self.trainer))  # this rank's shard of the data
         return StatefulDataLoader(
             self.train_set, batch_size=hp.batch_size, sampler=sampler, drop_last=True, num_workers=hp.num_workers
         )
@@ -159,7 +159,7 @@ class CharDataModule(LightningDataModule):
     def val_dataloader(self) -> StatefulDataLoader:
         assert self.val_set is not None, "val_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
-        sampler = evaluation_sampler(self.val_set)  # each window once, on any number of processes
+        sampler = evaluation_sampler(self.val_set, self.trainer)  # each window once, on any number of processes
         return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, sampler=sampler, num_workers=hp.num_workers)
 
     test_dataloader = val_dataloader  # the text has no third split: `lit-ddp test` scores the held-out one

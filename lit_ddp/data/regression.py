@@ -14,7 +14,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_ddp.data.samplers import GlobalOrderSampler, evaluation_sampler
+from lit_ddp.data.samplers import GlobalOrderSampler, evaluation_sampler, this_process
 
 
 class RegressionDataModule(LightningDataModule):
@@ -92,14 +92,14 @@ class RegressionDataModule(LightningDataModule):
         return StatefulDataLoader(
             self.train_set,
             batch_size=hp.batch_size,
-            sampler=GlobalOrderSampler(self.train_set),  # rank and world size from the process group
+            sampler=GlobalOrderSampler(self.train_set, **this_process(self.trainer)),  # this rank's shard of the data
             num_workers=hp.num_workers,
         )
 
     def val_dataloader(self) -> StatefulDataLoader:
         assert self.val_set is not None, "val_dataloader() is called after setup()"
         hp = cast(Any, self.hparams)
-        sampler = evaluation_sampler(self.val_set)  # each sample once, on any number of processes
+        sampler = evaluation_sampler(self.val_set, self.trainer)  # each sample once, on any number of processes
         return StatefulDataLoader(self.val_set, batch_size=hp.batch_size, sampler=sampler, num_workers=hp.num_workers)
 
     test_dataloader = val_dataloader  # no third split: `lit-ddp test` scores the held-out one

@@ -101,14 +101,17 @@ class GlobalOrderSampler(StatefulDistributedSampler):
         self._resume = dict(state_dict)
 
 
-def this_process() -> dict[str, int]:
-    """``{"num_replicas": world_size, "rank": rank}`` from the process group; world size 1, rank 0 without one."""
+def this_process(trainer: Any = None) -> dict[str, Any]:
+    """``{"num_replicas", "rank"}``: the trainer's data-parallel ranks (tensor-parallel peers share each batch), else
+    the process group's; 1 and 0 without one."""
+    if (kwargs := getattr(trainer, "distributed_sampler_kwargs", None)) is not None:
+        return kwargs
     if dist.is_available() and dist.is_initialized():
         return {"num_replicas": dist.get_world_size(), "rank": dist.get_rank()}
     return {"num_replicas": 1, "rank": 0}
 
 
-def evaluation_sampler(dataset: Dataset) -> UnrepeatedDistributedSampler:
+def evaluation_sampler(dataset: Dataset, trainer: Any = None) -> UnrepeatedDistributedSampler:
     """Lightning's unpadded sampler: rank ``r`` of ``W`` takes items ``r, r + W, ...``, each once, so a metric summed over
     the ranks is the same on any ``W`` (a ``DistributedSampler`` repeats items); safe with no collective per batch."""
-    return UnrepeatedDistributedSampler(dataset, shuffle=False, **this_process())
+    return UnrepeatedDistributedSampler(dataset, shuffle=False, **this_process(trainer))

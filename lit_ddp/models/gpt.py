@@ -109,16 +109,17 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)``."""
         B, T, C = x.shape
+        # chunk(3) and -1 heads, not split(C) and n_head: under tensor parallelism c_attn yields this rank's heads only
         q, k, v = [
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-            for t in self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+            t.view(B, T, -1, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+            for t in self.c_attn(x).chunk(3, dim=2)  # 3 x (B, T, C)
         ]
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -1,15 +1,24 @@
-"""FSDP2 (issue 24) through the CLI on 2 CPU processes: it trains what DDP trains, to float rounding, and a run
-killed at random moments resumes bit for bit. The sharding itself: ``tests/unit/models/test_parallelize.py``."""
+"""FSDP2 and tensor parallelism (issue 24) on 2 CPU processes: FSDP2 trains what DDP trains and tensor parallelism
+what one process trains, to float rounding; sharded checkpoints resume on another number of processes; a run killed
+at random moments, under torchrun or Slurm, resumes bit for bit. In one process: ``tests/unit/models/test_parallelize.py``."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
+from lit_ddp.models.gpt import GPT, GPTConfig
 from lit_ddp.resilience import sharded
 from lit_ddp.resilience.resume import checkpoint_step, ranked_checkpoints
+from lit_ddp.strategies import gpt_tensor_parallel
 from lit_ddp.tensorboard import read_scalars
 from tests.helpers import QUIET, Runner, compose, lit_ddp
 from tests.system.test_chaos import fault_table
@@ -138,3 +147,83 @@ def test_chaos_under_slurm_finds_fsdp2_exact_on_two_nodes(
     assert sorted(row[1] for row in fault_table(result.stdout)) == ["node", "usr1"], result.stdout[-3000:]
     assert "requeueing" in outputs and "identical: the faulted run ends bit for bit" in result.stdout
     assert (tmp_path / "faulted" / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # sharded, under FSDP2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+def test_tensor_parallel_trains_what_one_process_trains(tmp_path: Path, runner: Runner) -> None:
+    """configs/trainer/tp.yaml on 2 processes (a 1 x 2 device_mesh: both ranks read the same batches, each computes
+    half of every block's heads and hidden units) against one process, the main job with 4 heads (mingpt/tp.yaml),
+    fp32, AdamW at 3e-4, 200 steps: train/loss and val/loss within 1e-5 relative at every logged step, and every
+    final parameter tensor within 1e-5 (relative, in norm), but for the key rows of c_attn's bias. Their true
+    gradient is zero (adding one vector to every key shifts a query's scores alike, and softmax ignores that), so
+    they hold only float rounding, scaled up to the learning rate by AdamW's normalization: each run's own."""
+    runs = {}
+    for name, trainer, devices in (("one", "ddp", "1"), ("tp", "tp", "2")):
+        root = tmp_path / name
+        args = [*compose(f"trainer/{trainer}", "mingpt/cpu", "mingpt/tp"), "--trainer.devices", devices,
+                "--model.learning_rate", "3e-4", "--trainer.max_steps", "200", "--trainer.val_check_interval", "100",
+                "--trainer.limit_val_batches", "4", "--trainer.log_every_n_steps", "10",
+                "--trainer.default_root_dir", str(root), *QUIET]  # fmt: skip
+        result = runner.run(lit_ddp("fit", *args), timeout=300)
+        assert result.returncode == 0, result.stdout[-5000:]
+        runs[name] = root
+    for tag, points in (("train/loss", 20), ("val/loss", 2)):
+        one, tp = (dict(read_scalars(runs[s], tag)) for s in ("one", "tp"))
+        assert len(one) == points and one.keys() == tp.keys(), (tag, one, tp)
+        worst = max(abs(tp[step] - one[step]) / abs(one[step]) for step in one)
+        print(f"{tag}: within {worst:.1e}")
+        assert worst <= 1e-5, f"{tag}: {worst:.2e}"
+    one, tp = (final(runs[s])["state_dict"] for s in ("one", "tp"))
+    assert one.keys() == tp.keys()
+    drift = {}
+    for name, tensor in one.items():
+        other = tp[name]
+        if name.endswith("attn.c_attn.bias"):  # q, k, v: the key rows left out (see above)
+            tensor, other = (torch.cat(t.chunk(3)[::2]) for t in (tensor, other))
+        drift[name] = ((other - tensor).norm() / tensor.norm()).item()
+    print(f"parameters: within {max(drift.values()):.1e} (relative, in norm)")
+    assert max(drift.values()) <= 1e-5, {k: v for k, v in drift.items() if v > 1e-5}
+
+
+def _tensor_parallel_worker(rank: int, store: str, out: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        plain = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, vocab_size=11, dropout=0.0, rope=True))
+        split = gpt_tensor_parallel(copy.deepcopy(plain), init_device_mesh("cpu", (2,)))
+        c_attn = split.transformer.h[0].attn.c_attn.weight.to_local()  # this rank's rows of q, of k and of v
+        rows = [t.chunk(2)[rank] for t in plain.transformer.h[0].attn.c_attn.weight.chunk(3)]
+        idx = torch.randint(0, 11, (3, 8), generator=torch.Generator().manual_seed(1))  # (B, T), the same on both
+        (_, a), (_, b) = plain(idx, idx), split(idx, idx)
+        a.backward()
+        b.backward()
+        grads = {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in split.named_parameters()
+        }
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in split.named_parameters()}
+        out.put((rank, {
+            "rows": torch.equal(c_attn, torch.cat(rows)),
+            "loss": (a.item(), b.item()),
+            "weights": all(torch.equal(full[n], p) for n, p in plain.named_parameters()),
+            "grads": max((grads[n] - p.grad).abs().max().item() for n, p in plain.named_parameters()),
+        }))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_tensor_parallel_splits_q_k_v_by_heads_and_computes_the_same(tmp_path) -> None:
+    """Two processes, one tensor-parallel group: each holds its half of q's, k's and v's rows of c_attn (not a
+    contiguous half of the stacked matrix), the loss equals the plain model's bit for bit, the state gathers back to
+    the plain parameters, and the gradients agree to float rounding."""
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_tensor_parallel_worker, args=(str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
+    for rank, found in sorted(out.get() for _ in range(2)):
+        assert found["rows"] and found["weights"], (rank, found)
+        assert found["loss"][0] == found["loss"][1], (rank, found)
+        assert found["grads"] < 1e-6, (rank, found)

@@ -269,3 +269,12 @@ def test_dcp_storage_extents_internals(tmp_path) -> None:
     dcp.save({"a": torch.ones(3), "b": torch.zeros(5, 2)}, checkpoint_id=str(tmp_path), no_dist=True)
     extents = compat.dcp_storage_extents(dcp.FileSystemReader(str(tmp_path)).read_metadata())
     assert extents and all(os.path.getsize(tmp_path / name) == end for name, end in extents.items()), extents
+
+
+def test_strided_shard_internals() -> None:
+    """DTensor's private ``_StridedShard`` still takes ``(dim, split_factor=)`` and keeps both. (That rank ``r`` of 2
+    then holds rows ``r`` of each of q, k and v: ``tests/system/test_fsdp.py::test_tensor_parallel_splits_q_k_v_by_heads_and_computes_the_same``.)"""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placement = compat.strided_shard(0, split_factor=3)
+    assert isinstance(placement, _StridedShard) and (placement.dim, placement.split_factor) == (0, 3)

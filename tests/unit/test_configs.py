@@ -22,6 +22,7 @@ ALL = sorted(CONFIGS.rglob("*.yaml"))
 BASE = CONFIGS / "regression" / "single_device.yaml"
 DDP = "configs/trainer/ddp.yaml"
 FSDP = "configs/trainer/fsdp.yaml"
+TP = "configs/trainer/tp.yaml"
 # What slurm/train.sbatch composes before the config it is given (asserted in test_sbatch_composes_fragments).
 SBATCH_FRAGMENTS = [DDP, "configs/trainer/slurm.yaml"]
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -126,12 +127,12 @@ def test_readme_command_backend_and_timeout(command: str, capsys: pytest.Capture
 
 
 def test_multiprocess_configs_need_the_ddp_fragment(capsys: pytest.CaptureFixture) -> None:
-    """Every step config that starts several processes is composed with the DDP (or FSDP2) fragment first in the
+    """Every step config that starts several processes is composed with the DDP (or FSDP2, or TP) fragment first in the
     README."""
     for command, configs in readme_compositions().items():
         trainer = resolved(configs, capsys)["trainer"]
         if int(trainer.get("devices") or 1) * int(trainer.get("num_nodes") or 1) > 1:
-            assert configs[0] in (DDP, FSDP), command
+            assert configs[0] in (DDP, FSDP, TP), command
 
 
 def leaves(node: object) -> int:

@@ -4,6 +4,7 @@ another number of processes, another sampler's state refused), and the evaluatio
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -72,14 +73,12 @@ def test_without_a_process_group_the_process_is_the_whole_job() -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_evaluation_shards_hold_each_item_once(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluation_shards_hold_each_item_once(world_size: int) -> None:
     """No item repeated to even out the ranks (a DistributedSampler pads 103 to 104 or 105): the ranks together
     hold each item once, so a sum over them does not depend on the world size."""
     per_rank = []
-    for rank in range(world_size):
-        monkeypatch.setattr(
-            "lit_ddp.data.samplers.this_process", lambda r=rank: {"num_replicas": world_size, "rank": r}
-        )
-        per_rank.append(list(evaluation_sampler(range(N))))
+    for rank in range(world_size):  # a trainer's data-parallel ranks (the process group's without one)
+        trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world_size, "rank": rank})
+        per_rank.append(list(evaluation_sampler(range(N), trainer)))
     assert sorted(i for shard in per_rank for i in shard) == list(range(N))
     assert max(map(len, per_rank)) - min(map(len, per_rank)) == 1

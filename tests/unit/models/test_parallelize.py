@@ -1,6 +1,7 @@
-"""FSDP2 (:mod:`lit_ddp.models.parallelize`, :class:`lit_ddp.strategies.FSDP2Strategy`) in one process: which
-modules are sharded, that a sharded GPT computes what the plain one does, the strategy's bad arguments. Two
-processes, against DDP and under faults: ``tests/system/test_fsdp.py``."""
+"""FSDP2 and tensor parallelism (:mod:`lit_ddp.models.parallelize`, :class:`lit_ddp.strategies.FSDP2Strategy`) in one
+process: which modules are sharded, that a sharded GPT computes what the plain one does, the strategy's bad
+arguments. The tensor-parallel split on two processes, and through the CLI against DDP, one process and under faults:
+``tests/system/test_fsdp.py``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Replicate
 
 from lit_ddp.models.gpt import GPT, Block, GPTConfig
-from lit_ddp.models.parallelize import shard
+from lit_ddp.models.parallelize import shard, tensor_parallel
 from lit_ddp.strategies import FSDP2Strategy, forward_is_collective
 
 
@@ -52,7 +54,15 @@ def test_a_two_dimensional_mesh_is_refused(one_process_group: None) -> None:
 @pytest.mark.parametrize(
     "kwargs,says",
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: no tensor-parallel plan yet: give 1"),
+        (
+            {"tensor_parallel_size": 2},
+            "tensor_parallel_size=2: give 1 (FSDP2 alone), or a size > 1 with tensor_parallel_plan",
+        ),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size=0: give 1"),
+        (
+            {"tensor_parallel_size": 2, "tensor_parallel_plan": "lit_ddp.models.gpt.Block"},
+            "tensor_parallel_plan: 'lit_ddp.models.gpt.Block' is not a function",
+        ),
         ({"units": ["lit_ddp.models.gpt.GPTConfig"]}, "units: 'lit_ddp.models.gpt.GPTConfig' is not a torch.nn.Module"),
         ({"units": ["Block"]}, "units: 'Block' is not a torch.nn.Module class"),
     ],
@@ -60,3 +70,9 @@ def test_a_two_dimensional_mesh_is_refused(one_process_group: None) -> None:
 def test_fsdp2_strategy_names_a_bad_argument(kwargs: dict, says: str) -> None:
     with pytest.raises(ValueError, match=re.escape(says)):
         FSDP2Strategy(**kwargs)
+
+
+def test_tensor_parallel_needs_heads_the_mesh_divides(one_process_group: None) -> None:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    with pytest.raises(ValueError, match=r"tensor_parallel takes a 1-D mesh"):
+        tensor_parallel(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=5)), mesh, Replicate())
