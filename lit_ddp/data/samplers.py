@@ -102,10 +102,10 @@ class GlobalOrderSampler(StatefulDistributedSampler):
 
 
 def this_process(trainer: Any = None) -> dict[str, Any]:
-    """``{"num_replicas", "rank"}``: the trainer's data-parallel ranks (tensor-parallel peers share each batch), else
-    the process group's; 1 and 0 without one."""
-    if (kwargs := getattr(trainer, "distributed_sampler_kwargs", None)) is not None:
-        return kwargs
+    """``{"num_replicas", "rank"}``: the data-parallel ranks of the trainer's device_mesh (tensor-parallel peers share
+    each batch), else the process group's (nodes may run different numbers of processes); 1 and 0 without one."""
+    if (mesh := getattr(getattr(trainer, "strategy", None), "device_mesh", None)) is not None:
+        return {"num_replicas": mesh["data_parallel"].size(), "rank": mesh["data_parallel"].get_local_rank()}
     if dist.is_available() and dist.is_initialized():
         return {"num_replicas": dist.get_world_size(), "rank": dist.get_rank()}
     return {"num_replicas": 1, "rank": 0}

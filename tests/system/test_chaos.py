@@ -90,6 +90,23 @@ def test_chaos_under_torchrun_finds_mingpt_exact(tmp_path: Path, runner: Runner,
     assert "identical: the faulted run ends bit for bit" in result.stdout
 
 
+def survives_usr1_and_a_lost_node(fit: list[str], root: Path, runner: Runner, seed: int) -> str:
+    """``lit-ddp chaos --launcher slurm`` of ``fit`` (slurm/train.sbatch's step config first) on the two-node local
+    cluster, one task per node, with a USR1 warning and a lost node in an order drawn from ``seed``; asserts it
+    requeued, ends bit-identical and exits 0. Returns the faulted jobs' output."""
+    from tests.system.helpers_slurm import require_cluster, slurm_env
+
+    require_cluster(nodes=2)
+    cmd = lit_ddp("chaos", "--launcher", "slurm", "--nodes", "2", "--nproc_per_node", "1", "--faults", "2",
+                  "--kinds", "usr1", "node", "--seed", str(seed), "--root", str(root), "--", *fit)  # fmt: skip
+    result = runner.run(cmd, timeout=540, **{k: v for k, v in slurm_env().items() if k.startswith("LIT_DDP")})
+    outputs = "".join(p.read_text() for p in sorted(root.glob("faulted-*.out")))
+    assert result.returncode == 0, result.stdout[-4000:] + outputs[-4000:]
+    assert sorted(row[1] for row in fault_table(result.stdout)) == ["node", "usr1"], result.stdout[-3000:]
+    assert "requeueing" in outputs and "identical: the faulted run ends bit for bit" in result.stdout
+    return outputs
+
+
 @pytest.mark.slurm
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
@@ -97,18 +114,9 @@ def test_chaos_under_slurm_finds_the_run_exact(tmp_path: Path, runner: Runner, s
     """``--launcher slurm`` on the two-node local cluster, one task per node, through slurm/train.sbatch: the
     job's USR1 warning (saved, requeued by the script) and a SIGKILL of one node's task (the job fails; the tool
     submits it again, as an operator would), in an order drawn from the seed: bit-identical, exit 0."""
-    from tests.system.helpers_slurm import require_cluster, slurm_env
-
-    require_cluster(nodes=2)
     fit = ["--config", "configs/regression/slurm.yaml", *compose("checkpoint/fault_tolerant")]
     fit += ["--trainer.max_epochs", "150", "--trainer.enable_model_summary", "false"]
-    cmd = lit_ddp("chaos", "--launcher", "slurm", "--nodes", "2", "--nproc_per_node", "1", "--faults", "2",
-                  "--kinds", "usr1", "node", "--seed", str(seed), "--root", str(tmp_path), "--", *fit)  # fmt: skip
-    result = runner.run(cmd, timeout=540, **{k: v for k, v in slurm_env().items() if k.startswith("LIT_DDP")})
-    outputs = "".join(p.read_text() for p in sorted(tmp_path.glob("faulted-*.out")))
-    assert result.returncode == 0, result.stdout[-4000:] + outputs[-4000:]
-    assert sorted(row[1] for row in fault_table(result.stdout)) == ["node", "usr1"], result.stdout[-3000:]
-    assert "requeueing" in outputs and "identical: the faulted run ends bit for bit" in result.stdout
+    outputs = survives_usr1_and_a_lost_node(fit, tmp_path, runner, seed)
     # the node's task died by SIGKILL, the job failed and was submitted again
     assert ": Killed" in outputs and len(list(tmp_path.glob("faulted-*.out"))) == 2, outputs[-4000:]
 

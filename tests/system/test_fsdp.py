@@ -21,7 +21,7 @@ from lit_ddp.resilience.resume import checkpoint_step, ranked_checkpoints
 from lit_ddp.strategies import gpt_tensor_parallel
 from lit_ddp.tensorboard import read_scalars
 from tests.helpers import QUIET, Runner, compose, lit_ddp
-from tests.system.test_chaos import fault_table
+from tests.system.test_chaos import fault_table, survives_usr1_and_a_lost_node
 
 
 def mingpt(strategy: str, steps: int, text: Path) -> list[str]:
@@ -133,19 +133,10 @@ def test_chaos_under_slurm_finds_fsdp2_exact_on_two_nodes(
     """slurm/train.sbatch with the FSDP2 fragment on the two-node local cluster, one task per node, sharded
     checkpoints: the job's USR1 preemption warning (saved, requeued by the script) and a SIGKILL of one node's task
     (the job fails; the tool submits it again), in an order drawn from the seed: bit-identical, exit 0."""
-    from tests.system.helpers_slurm import require_cluster, slurm_env
-
-    require_cluster(nodes=2)
     fit = mingpt("fsdp", 60, tiny_text)  # train.sbatch takes the step config first, composes the rest after it
     step_config = fit.index(compose("mingpt/cpu")[1])
     fit = ["--config", *fit[step_config : step_config + 1], *fit[: step_config - 1], *fit[step_config + 1 :]]
-    cmd = lit_ddp("chaos", "--launcher", "slurm", "--nodes", "2", "--nproc_per_node", "1", "--faults", "2",
-                  "--kinds", "usr1", "node", "--seed", str(seed), "--root", str(tmp_path), "--", *fit)  # fmt: skip
-    result = runner.run(cmd, timeout=540, **{k: v for k, v in slurm_env().items() if k.startswith("LIT_DDP")})
-    outputs = "".join(p.read_text() for p in sorted(tmp_path.glob("faulted-*.out")))
-    assert result.returncode == 0, result.stdout[-4000:] + outputs[-4000:]
-    assert sorted(row[1] for row in fault_table(result.stdout)) == ["node", "usr1"], result.stdout[-3000:]
-    assert "requeueing" in outputs and "identical: the faulted run ends bit for bit" in result.stdout
+    survives_usr1_and_a_lost_node(fit, tmp_path, runner, seed)
     assert (tmp_path / "faulted" / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # sharded, under FSDP2
 
 

@@ -77,8 +77,9 @@ def test_evaluation_shards_hold_each_item_once(world_size: int) -> None:
     """No item repeated to even out the ranks (a DistributedSampler pads 103 to 104 or 105): the ranks together
     hold each item once, so a sum over them does not depend on the world size."""
     per_rank = []
-    for rank in range(world_size):  # a trainer's data-parallel ranks (the process group's without one)
-        trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world_size, "rank": rank})
+    for rank in range(world_size):  # the data-parallel ranks of a trainer's device_mesh
+        dims = SimpleNamespace(size=lambda: world_size, get_local_rank=lambda r=rank: r)
+        trainer = SimpleNamespace(strategy=SimpleNamespace(device_mesh={"data_parallel": dims}))
         per_rank.append(list(evaluation_sampler(range(N), trainer)))
     assert sorted(i for shard in per_rank for i in shard) == list(range(N))
     assert max(map(len, per_rank)) - min(map(len, per_rank)) == 1
