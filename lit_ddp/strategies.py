@@ -159,18 +159,22 @@ def gpt_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def _function(path: str) -> Any:
-    module, _, name = path.rpartition(".")
-    found = getattr(importlib.import_module(module), name, None) if module else None
+    found = _named(path)
     if not callable(found) or isinstance(found, type):
         raise ValueError(
-            f"tensor_parallel_plan: {path!r} is not a function (e.g. lit_ddp.models.parallelize.tensor_parallel)"
+            f"tensor_parallel_plan: {path!r} is not a function (e.g. lit_ddp.strategies.gpt_tensor_parallel)"
         )
     return found
 
 
 def _module_class(path: str) -> type[nn.Module]:
-    module, _, name = path.rpartition(".")
-    found = getattr(importlib.import_module(module), name, None) if module else None
+    found = _named(path)
     if not (isinstance(found, type) and issubclass(found, nn.Module)):
         raise ValueError(f"units: {path!r} is not a torch.nn.Module class (e.g. lit_ddp.models.gpt.Block)")
     return found
+
+
+def _named(path: str) -> Any:
+    """What the class path ``package.module.name`` names; None for a bare name or a missing attribute."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name, None) if module else None

@@ -96,7 +96,7 @@ def _atomic_local_file(path: str) -> Iterator[BinaryIO]:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    _fsync_dir(directory)
+    fsync(directory)
     # Leftovers of writers of the same file that were killed mid-write (only one process writes a path).
     for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*.tmp")):
         with contextlib.suppress(OSError):
@@ -115,9 +115,11 @@ def umask() -> int:
     return 0o022
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync(path: str | os.PathLike) -> None:
+    """Flushes a file's or a directory's entries to disk (a directory: so that a rename in it survives a crash);
+    errors are ignored, as on filesystems that cannot fsync a directory."""
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_ddp import compat
-from lit_ddp.resilience.checkpoint_io import umask
+from lit_ddp.resilience.checkpoint_io import fsync, umask
 
 META = "meta.pt"
 """Lightning's file of a sharded checkpoint's non-tensor state (``lightning.fabric...._METADATA_FILENAME``)."""
@@ -78,8 +78,8 @@ def commit(written: str | os.PathLike, path: str | os.PathLike) -> None:
         OSError: the swap failed; ``path`` is as it was.
     """
     written, target = Path(written).absolute(), Path(path).absolute()
-    _fsync(written / META)
-    _fsync(written)
+    fsync(written / META)
+    fsync(written)
     if not os.path.lexists(target):
         os.replace(written, target)
     elif not _exchange(written, target):
@@ -88,7 +88,7 @@ def commit(written: str | os.PathLike, path: str | os.PathLike) -> None:
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         os.replace(target, old / "old")
         os.replace(written, target)
-    _fsync(target.parent)
+    fsync(target.parent)
     for stale in glob.glob(os.path.join(glob.escape(str(target.parent)), f".{glob.escape(target.name)}.*.tmp")):
         _remove(stale)
 
@@ -141,12 +141,3 @@ def _remove(path: str) -> None:
             shutil.rmtree(path)
         else:
             os.remove(path)
-
-
-def _fsync(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
