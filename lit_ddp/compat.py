@@ -1,6 +1,6 @@
 """Every use of Lightning's and torch's private internals, in one place.
 
-Lightning 2.6 and torch 2.9-2.13 have no public API for these; each function names what it works around
+Lightning 2.6 and torch 2.13 have no public API for these; each function names what it works around
 (an upstream issue or PR where there is one) and ``tests/unit/test_compat.py`` checks that the internal is
 still there and, where it works around a bug, that the bug still is: the day an upgrade changes one, a test
 says which workaround to revisit or remove. ``pyproject.toml`` pins ``lightning`` to the tested minor version
