@@ -184,7 +184,8 @@ def test_step_configs_sample_and_measure_throughput(name: str) -> None:
 
 
 def test_the_tutorial_page_gives_figures_for_every_step_runnable_here() -> None:
-    """docs/tutorial.md's "What each step prints" has a row for each README step but the GPU one, and no other."""
+    """docs/tutorial.md's "What each step prints" has a row for each README step (the GPU one's figures come from
+    a GPU machine), and no other."""
     _, figures = page_figures()
     runnable = {name for name, command in readme_commands().items() if "gpu.yaml" not in command}
     assert runnable - set(figures) == set(), "README steps the page gives no figures for"
