@@ -1,21 +1,20 @@
-"""Fault tolerance end to end: runs killed mid-epoch and resumed end bit-identical to uninterrupted runs.
-
-Every run is the real CLI in a subprocess (``python -m lit_ddp``); the kill schedule and the records come from
-``tests.callbacks`` callbacks added through a YAML fragment, for what a fault from outside cannot arrange: a
-truncated last.ckpt met on resume. Sizes are tiny: a few epochs of a few steps. torchrun restarts under faults
-from outside at random moments: ``tests/system/test_chaos.py`` (``lit-ddp chaos``).
+"""Fault tolerance end to end, one process re-run after each fault: ``lit-ddp chaos --launcher single`` kills it
+from outside at moments drawn from a seed, then a torn last.ckpt meets a second launch of the finished run. Also
+the helpers the other fault tests share (the README's fault-tolerant compositions at tiny sizes, and the
+comparisons of parameters and TensorBoard steps). torchrun and Slurm under faults: ``tests/system/test_chaos.py``.
 """
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.callbacks import KillAtSteps
-from tests.helpers import QUIET, Runner, callback, compose, lit_ddp, load_records, tensorboard_steps
+from lit_ddp.launch.chaos import RESUMED, checkpoint_steps
+from lit_ddp.launch.chaos_compare import compare
+from lit_ddp.launch.chaos_job import PHASE_PROBE
+from tests.helpers import QUIET, Runner, compose, lit_ddp, tensorboard_steps
 
 # The README's fault-tolerant compositions: DDP, the step's config, the checkpointing fragment (and for minGPT
 # its fault-tolerant fragment over cpu.yaml).
@@ -76,44 +75,34 @@ def assert_same_tensorboard(resumed: Path, reference: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("task", ["regression", "mingpt"])
-def test_one_process_resume_is_exact(
-    task: str, tmp_path: Path, request: pytest.FixtureRequest, runner: Runner, recorder
+@pytest.mark.timeout(420)
+def test_one_process_survives_kills_and_a_torn_last_checkpoint(
+    tmp_path: Path, runner: Runner, seed: int, tiny_text: Path
 ) -> None:
-    """Killed twice (SIGKILL, mid-epoch) and re-run with the same command: same parameters, same TensorBoard
-    steps as the uninterrupted run. The second resume also meets a truncated last.ckpt and falls back."""
-    if task == "regression":
-        args, kills = one_process(regression_args(20, 4)), [5, 10]
-    else:
-        text = request.getfixturevalue("tiny_text")
-        # mingpt: asynchronous saves, to show they are as exact.
-        args = one_process(mingpt_args(14, 4, text))
-        args += ["--trainer.plugins", "lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO"]
-        kills = [6, 11]
-    ref_cb, ref_rec = recorder("ref")
-    out = runner.fit(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref"), timeout=120)
-    assert out.returncode == 0, out.stdout[-3000:]
+    """One process with asynchronous saves (the writer is a thread), re-run after each fault as a requeue would:
+    ``lit-ddp chaos`` SIGKILLs it once mid-step and once while a checkpoint is being written, at moments drawn from
+    the seed, and the run ends bit-identical to the uninterrupted one. Then storage tears the finished run's
+    last.ckpt (half of it left) and the same command is launched a second time: it warns, resumes from the newest
+    step checkpoint, trains the steps after it again and ends identical once more, each TensorBoard point once."""
+    fit = one_process(mingpt_args(60, 5, tiny_text))
+    fit += ["--trainer.plugins", "lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO"]
+    root = tmp_path / "c"
+    chaos = lit_ddp("chaos", "--faults", "2", "--kinds", "kill", "save", "--seed", str(seed), "--root", str(root),
+                    "--", *fit)  # fmt: skip
+    result = runner.run(chaos, timeout=360)
+    assert result.returncode == 0, result.stdout[-6000:] + (root / "faulted.log").read_text()[-6000:]
+    assert "identical: the faulted run ends bit for bit" in result.stdout
 
-    state = tmp_path / "state"
-    cb, rec = recorder("ft", callback(KillAtSteps, steps=kills, state_dir=str(state)))
-    root = tmp_path / "run"
-    cmd = lit_ddp("fit", *args, "--config", str(cb), "--trainer.default_root_dir", str(root))
-    for attempt in range(len(kills) + 1):
-        if attempt == 2:  # a kill while writing last.ckpt, as far as a reader can tell
-            last = root / "checkpoints" / "last.ckpt"
-            last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
-        out = runner.run(cmd, 120)
-        if attempt < len(kills):
-            assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
-        else:
-            assert out.returncode == 0, out.stdout[-3000:]
+    run = root / "faulted"
+    last = run / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    newest = checkpoint_steps(run)[-1]
+    again = lit_ddp("fit", *fit, "--trainer.default_root_dir", str(run), f"--trainer.callbacks+={PHASE_PROBE}")
+    out = runner.run(again, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:]
     assert "last.ckpt is truncated or unreadable" in out.stdout
-    [final], [reference] = load_records(rec), load_records(ref_rec)
-    assert_same_params([final], [reference])
-    # The last resume: the step-8 checkpoint, below the kill at 10/11; the regression's trigger at step 8 falls on
-    # an epoch's end, after which it validates: saved at step 9.
-    assert final["start_step"] == (9 if task == "regression" else 8)
-    assert final["optimizer_steps"] == reference["global_step"] - final["start_step"]
-    assert_same_tensorboard(root, tmp_path / "ref")
-    assert not list(root.glob("version_*"))
+    assert RESUMED.findall(out.stdout) == [str(newest)], out.stdout[-3000:]
+    assert newest < 60
+    assert compare(root / "reference", run) is None
+    assert_same_tensorboard(run, root / "reference")
+    assert not list(run.glob("version_*"))
