@@ -327,6 +327,12 @@ def strided_shard(dim: int, split_factor: int) -> Any:
     return _StridedShard(dim, split_factor=split_factor)
 
 
+def is_strided_shard(placement: Any) -> bool:
+    """Whether ``placement`` is DTensor's private ``_StridedShard`` (:func:`strided_shard`): its class is private, and
+    it is no ``Shard`` subclass (``is_shard()`` is False for it)."""
+    return isinstance(placement, _StridedShard)
+
+
 def set_process_group_timeout(timeout: timedelta) -> None:
     """Sets the default process group's timeout for the collectives that follow (torch's ``_set_pg_timeout``,
     gloo and NCCL; a no-op without a group)."""

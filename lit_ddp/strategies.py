@@ -62,8 +62,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     Raises:
         ValueError: ``tensor_parallel_size`` < 1, or > 1 without a plan; a unit that is not a module class, a plan
-            that is not a function; at set-up, a world size that ``tensor_parallel_size`` does not divide, or a
-            ``tensor_parallel_size`` between 1 and the world size (a 2-D mesh: not yet, see the message), a
+            that is not a function; at set-up, a world size that ``tensor_parallel_size`` does not divide, a
             LightningModule with ``compile=True`` (a compiled forward would skip the hooks that gather the shards),
             gradient clipping under tensor parallelism,
             or an optimizer whose ``state_dict`` lacks torch's ``state`` / ``param_groups`` (Muon + AdamW).
@@ -101,13 +100,6 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"tensor_parallel_size={self.tensor_parallel_size} does not divide the world size {self.world_size} "
                 "(nodes x devices): give a divisor of it"
             )
-        if 1 < self.tensor_parallel_size < self.world_size:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} on {self.world_size} processes: FSDP2 over tensor-"
-                "parallel groups trains, but its full state dict comes back with c_attn's rows out of order (torch's "
-                "strided placements of q, k, v do not compose with FSDP2's yet): give tensor_parallel_size 1 or "
-                f"{self.world_size}"
-            )
         compat.set_model_parallel_sizes(self, self.world_size // self.tensor_parallel_size, self.tensor_parallel_size)
         super().setup_environment()
 
@@ -129,7 +121,8 @@ class FSDP2Strategy(ModelParallelStrategy):
                 if self.plan is not None:
                     self.plan(child, mesh["tensor_parallel"])
                 if self.plan is None or mesh["data_parallel"].size() > 1:  # FSDP2 over one rank would only add hooks
-                    shard(child, mesh["data_parallel"], self.units, param_dtype=dtype)
+                    strided = [p for p in child.parameters() if p.ndim == 2 and _strided(p)]
+                    shard(child, mesh["data_parallel"], self.units, param_dtype=dtype, by_columns=strided)
         super().setup(trainer)  # then the optimizers, over the shards
         for optimizer in self.optimizers:  # torch's distributed state dict, which saves them, reads these keys
             if not {"state", "param_groups"} <= optimizer.state_dict().keys():
@@ -156,6 +149,11 @@ def gpt_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """The GPT's tensor-parallel plan for ``tensor_parallel_plan`` (:func:`lit_ddp.models.parallelize.tensor_parallel`),
     with q, k and v split by rows of each (``lit_ddp.compat.strided_shard``)."""
     return tensor_parallel(model, mesh, compat.strided_shard(0, split_factor=3))
+
+
+def _strided(param: nn.Parameter) -> bool:
+    """Whether tensor parallelism split ``param`` by strided rows (c_attn's q, k and v)."""
+    return isinstance(param, DTensor) and any(compat.is_strided_shard(p) for p in param.placements)
 
 
 def _function(path: str) -> Any:

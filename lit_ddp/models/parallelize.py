@@ -11,20 +11,25 @@ from the caller (:class:`lit_ddp.strategies.FSDP2Strategy`), so this works in a 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lit_ddp.models.gpt import Block
 
 
 def shard(
-    model: nn.Module, mesh: DeviceMesh, units: tuple[type[nn.Module], ...] = (), param_dtype: torch.dtype | None = None
+    model: nn.Module,
+    mesh: DeviceMesh,
+    units: tuple[type[nn.Module], ...] = (),
+    param_dtype: torch.dtype | None = None,
+    by_columns: Iterable[nn.Parameter] = (),
 ) -> nn.Module:
     """Shards ``model`` in place over the 1-D ``mesh`` (FSDP2, "ZeRO-3": each rank holds ``1/mesh.size()`` of every
     parameter, its gradient and its optimizer state) and returns it.
@@ -37,6 +42,9 @@ def shard(
         param_dtype: the dtype of the all-gathered parameters the forward and backward compute with (``bf16``
             under ``bf16-mixed``); gradients are reduce-scattered in fp32 and the optimizer steps fp32 shards
             either way. None: fp32 throughout.
+        by_columns: matrices to shard by columns (dim 1) instead of rows: those tensor parallelism already splits
+            by strided rows (c_attn's rows of q, of k and of v), since FSDP2's row split over that one comes back
+            out of order in the full state dict (torch 2.13). The columns must divide by ``mesh.size()``.
 
     Raises:
         ValueError: ``mesh`` is not 1-D.
@@ -44,9 +52,14 @@ def shard(
     if mesh.ndim != 1:
         raise ValueError(f"shard takes a 1-D mesh of data-parallel ranks, got mesh_dim_names={mesh.mesh_dim_names}")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    columns = {id(p) for p in by_columns}
+
+    def placement(param: nn.Parameter) -> Shard | None:  # None: FSDP2's rows
+        return Shard(1) if id(param) in columns else None
+
     for module in [m for m in model.modules() if isinstance(m, units) and m is not model]:
-        fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(module, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
     return model
 
 
@@ -58,8 +71,10 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, stacked_rows: Placement)
     output columns, the second (``c_proj``) by input rows: a rank computes ``n_head / tp`` heads and ``4C / tp``
     hidden units from the whole ``(B, T, C)`` input, and one all-reduce per ``c_proj`` sums the partial ``(B, T, C)``
     outputs (another in the backward, for the input's gradient). ``c_attn`` holds q, k and v stacked, so each rank
-    takes its rows of each (``stacked_rows``), not a contiguous third. The embeddings, the norms and the head stay
-    whole on every rank. Parameters become ``DTensor``; the state dict holds whole tensors in the usual layout, so
+    takes its rows of each (``stacked_rows``), not a contiguous third. Its bias stays whole on every rank (DTensor
+    hands each rank its rows of it in the forward, and all-gathers its gradient): FSDP2 over tensor-parallel groups
+    trains a strided bias wrong (torch 2.13: q's and v's rows drift off by whole optimizer steps), a whole one
+    right. The embeddings, the norms and the head stay whole on every rank too. Parameters become ``DTensor``; the state dict holds whole tensors in the usual layout, so
     checkpoints move between tensor-parallel and other runs.
 
     Args:
@@ -86,7 +101,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, stacked_rows: Placement)
 
 def _split_rows(name: str, module: nn.Module, mesh: DeviceMesh, placement: Placement) -> None:
     for key, param in list(module.named_parameters(recurse=False)):
-        sharded = distribute_tensor(param.detach(), mesh, [placement])
+        sharded = distribute_tensor(param.detach(), mesh, [placement if key == "weight" else Replicate()])
         module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 

@@ -1,5 +1,5 @@
-"""FSDP2 and tensor parallelism (issue 24) on 2 CPU processes: FSDP2 trains what DDP trains and tensor parallelism
-what one process trains, to float rounding; sharded checkpoints resume on another number of processes; a run killed
+"""FSDP2 and tensor parallelism (issue 24) on 2 CPU processes (4 for a 2 x 2 device_mesh): FSDP2 trains what DDP
+trains and tensor parallelism (with FSDP2 across its groups too) what one process trains, to float rounding; sharded checkpoints resume on another number of processes; a run killed
 at random moments, under torchrun or Slurm, resumes bit for bit. In one process: ``tests/unit/models/test_parallelize.py``."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lit_ddp.resilience import sharded
 from lit_ddp.resilience.resume import checkpoint_step, ranked_checkpoints
 from lit_ddp.strategies import gpt_tensor_parallel
 from lit_ddp.tensorboard import read_scalars
-from tests.helpers import QUIET, Runner, compose, lit_ddp
+from tests.helpers import QUIET, Runner, compose, lit_ddp, torchrun
 from tests.system.test_chaos import fault_table, survives_usr1_and_a_lost_node
 
 
@@ -142,25 +142,33 @@ def test_chaos_under_slurm_finds_fsdp2_exact_on_two_nodes(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(500)
-def test_tensor_parallel_trains_what_one_process_trains(tmp_path: Path, runner: Runner) -> None:
-    """configs/trainer/tp.yaml on 2 processes (a 1 x 2 device_mesh: both ranks read the same batches, each computes
-    half of every block's heads and hidden units) against one process, the main job with 4 heads (mingpt/tp.yaml),
-    fp32, AdamW at 3e-4, 200 steps: train/loss and val/loss within 1e-5 relative at every logged step, and every
-    final parameter tensor within 1e-5 (relative, in norm), but for the key rows of c_attn's bias. Their true
-    gradient is zero (adding one vector to every key shifts a query's scores alike, and softmax ignores that), so
-    they hold only float rounding, scaled up to the learning rate by AdamW's normalization: each run's own."""
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("devices", "steps"), [(2, 200), (4, 60)], ids=["1x2", "2x2"])
+def test_tensor_parallel_trains_what_one_process_trains(
+    tmp_path: Path, runner: Runner, devices: int, steps: int
+) -> None:
+    """configs/trainer/tp.yaml (tensor_parallel_size 2) against one process on the same global batch, the main job
+    with 4 heads (mingpt/tp.yaml), fp32, AdamW at 3e-4: on 2 processes a 1 x 2 device_mesh (both ranks read the
+    same batches, each computes half of every block's heads and hidden units), on 4 a 2 x 2 one (FSDP2 across the
+    two tensor-parallel groups, each reading its half of a global batch of 2 x 32). train/loss and val/loss within
+    1e-5 relative at every logged step, and every final parameter tensor within 1e-5 (relative, in norm), but for
+    the key rows of c_attn's bias. Their true gradient is zero (adding one vector to every key shifts a query's
+    scores alike, and softmax ignores that), so they hold only float rounding, scaled up to the learning rate by
+    AdamW's normalization: each run's own. 60 steps on the 2 x 2 mesh: 4 processes share this machine's 2 cores."""
+    data_parallel = devices // 2
     runs = {}
-    for name, trainer, devices in (("one", "ddp", "1"), ("tp", "tp", "2")):
+    for name, trainer, n, batch in (("one", "ddp", 1, 32 * data_parallel), ("tp", "tp", devices, 32)):
         root = tmp_path / name
-        args = [*compose(f"trainer/{trainer}", "mingpt/cpu", "mingpt/tp"), "--trainer.devices", devices,
-                "--model.learning_rate", "3e-4", "--trainer.max_steps", "200", "--trainer.val_check_interval", "100",
-                "--trainer.limit_val_batches", "4", "--trainer.log_every_n_steps", "10",
-                "--trainer.default_root_dir", str(root), *QUIET]  # fmt: skip
-        result = runner.run(lit_ddp("fit", *args), timeout=300)
+        args = [*compose(f"trainer/{trainer}", "mingpt/cpu", "mingpt/tp"), "--trainer.devices", str(n),
+                "--data.batch_size", str(batch), "--model.learning_rate", "3e-4", "--trainer.max_steps", str(steps),
+                "--trainer.val_check_interval", str(steps // 2), "--trainer.limit_val_batches", "4",
+                "--trainer.log_every_n_steps", "10", "--trainer.default_root_dir", str(root), *QUIET]  # fmt: skip
+        # 4 processes: torchrun's (lit-ddp refuses to start more CPU processes than this machine's 2 cores itself)
+        launch = torchrun("--standalone", "--nproc_per_node", str(n), "-m", "lit_ddp") if n > 2 else lit_ddp()
+        result = runner.run([*launch, "fit", *args], timeout=400)
         assert result.returncode == 0, result.stdout[-5000:]
         runs[name] = root
-    for tag, points in (("train/loss", 20), ("val/loss", 2)):
+    for tag, points in (("train/loss", steps // 10), ("val/loss", 2)):
         one, tp = (dict(read_scalars(runs[s], tag)) for s in ("one", "tp"))
         assert len(one) == points and one.keys() == tp.keys(), (tag, one, tp)
         worst = max(abs(tp[step] - one[step]) / abs(one[step]) for step in one)

@@ -12,6 +12,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils.tensorboard import SummaryWriter
 
 from lit_ddp import compat
@@ -278,3 +279,5 @@ def test_strided_shard_internals() -> None:
 
     placement = compat.strided_shard(0, split_factor=3)
     assert isinstance(placement, _StridedShard) and (placement.dim, placement.split_factor) == (0, 3)
+    assert compat.is_strided_shard(placement) and not placement.is_shard()  # not a Shard: hence is_strided_shard
+    assert not compat.is_strided_shard(Shard(0)) and not compat.is_strided_shard(Replicate())
