@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lit_ddp import compat
-from lit_ddp.models.parallelize import shard, tensor_parallel
+from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
 from lit_ddp.resilience import sharded
 
 
@@ -64,7 +64,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         ValueError: ``tensor_parallel_size`` < 1, or > 1 without a plan; a unit that is not a module class, a plan
             that is not a function; at set-up, a world size that ``tensor_parallel_size`` does not divide, a
             LightningModule with ``compile=True`` (a compiled forward would skip the hooks that gather the shards),
-            gradient clipping under tensor parallelism,
             or an optimizer whose ``state_dict`` lacks torch's ``state`` / ``param_groups`` (Muon + AdamW).
     """
 
@@ -108,12 +107,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         assert module is not None
         if module.hparams.get("compile"):
             raise ValueError("compile=True does not work with FSDP2Strategy yet: give false")
-        if self.plan is not None and trainer.gradient_clip_val:
-            raise ValueError(
-                f"trainer.gradient_clip_val={trainer.gradient_clip_val} with tensor_parallel_size="
-                f"{self.tensor_parallel_size}: torch's clip_grad_norm_ cannot mix the split (DTensor) and the whole "
-                "parameters yet: give null"
-            )
+        if self.plan is not None:  # torch's clip_grad_norm_ refuses a mix of split (DTensor) and whole parameters
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
         mesh = self.device_mesh
         for child in module.children():
@@ -130,6 +125,10 @@ class FSDP2Strategy(ModelParallelStrategy):
                     f"{type(optimizer).__name__} (optimizer 'muon': Muon + AdamW) has no state_dict that FSDP2 "
                     "checkpoints can hold yet: give optimizer adamw"
                 )
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        """The precision plugin's ``clip_grad_by_norm`` under tensor parallelism (Lightning's calls torch's)."""
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Lightning's save; a sharded checkpoint goes to a hidden directory first, and rank zero swaps it into place

@@ -99,6 +99,27 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, stacked_rows: Placement)
     return model
 
 
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scales the gradients of ``parameters`` in place so that their joint 2-norm is at most ``max_norm``, by the
+    formula of ``torch.nn.utils.clip_grad_norm_``, for a model that mixes whole parameters and ``DTensor`` ones on
+    different meshes (tensor parallelism, with FSDP2 or without), which torch's refuses: each ``DTensor`` gradient's
+    norm is reduced to a whole scalar (one small all-reduce per parameter) before they are joined. Ours because
+    torch has no such function (torchtitan's assumes one mesh for every parameter).
+
+    Returns:
+        The joint norm before clipping, a 0-dim tensor.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.item() if isinstance(g, DTensor) else coef)  # a DTensor takes no plain tensor operand
+    return total
+
+
 def _split_rows(name: str, module: nn.Module, mesh: DeviceMesh, placement: Placement) -> None:
     for key, param in list(module.named_parameters(recurse=False)):
         sharded = distribute_tensor(param.detach(), mesh, [placement if key == "weight" else Replicate()])

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lit_ddp.models.gpt import GPT, GPTConfig
+from lit_ddp.models.parallelize import clip_grad_norm_
 from lit_ddp.resilience import sharded
 from lit_ddp.resilience.resume import checkpoint_step, ranked_checkpoints
 from lit_ddp.strategies import gpt_tensor_parallel
@@ -148,7 +149,7 @@ def test_tensor_parallel_trains_what_one_process_trains(
     tmp_path: Path, runner: Runner, devices: int, steps: int
 ) -> None:
     """configs/trainer/tp.yaml (tensor_parallel_size 2) against one process on the same global batch, the main job
-    with 4 heads (mingpt/tp.yaml), fp32, AdamW at 3e-4: on 2 processes a 1 x 2 device_mesh (both ranks read the
+    with 4 heads (mingpt/tp.yaml), fp32, AdamW at 3e-4, gradients clipped at 1.0: on 2 processes a 1 x 2 device_mesh (both ranks read the
     same batches, each computes half of every block's heads and hidden units), on 4 a 2 x 2 one (FSDP2 across the
     two tensor-parallel groups, each reading its half of a global batch of 2 x 32). train/loss and val/loss within
     1e-5 relative at every logged step, and every final parameter tensor within 1e-5 (relative, in norm), but for
@@ -202,11 +203,18 @@ def _tensor_parallel_worker(rank: int, store: str, out: Any) -> None:
             n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in split.named_parameters()
         }
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in split.named_parameters()}
+        unclipped = max((grads[n] - p.grad).abs().max().item() for n, p in plain.named_parameters())
+        norms = (torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1), clip_grad_norm_(split.parameters(), 0.1))
+        clipped = {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in split.named_parameters()
+        }
         out.put((rank, {
             "rows": torch.equal(c_attn, torch.cat(rows)),
             "loss": (a.item(), b.item()),
             "weights": all(torch.equal(full[n], p) for n, p in plain.named_parameters()),
-            "grads": max((grads[n] - p.grad).abs().max().item() for n, p in plain.named_parameters()),
+            "grads": unclipped,
+            "norms": tuple(n.item() for n in norms),
+            "clipped": max((clipped[n] - p.grad).abs().max().item() for n, p in plain.named_parameters()),
         }))  # fmt: skip
     finally:
         dist.destroy_process_group()
@@ -218,7 +226,7 @@ def _tensor_parallel_worker(rank: int, store: str, out: Any) -> None:
 def test_tensor_parallel_splits_q_k_v_by_heads_and_computes_the_same(tmp_path) -> None:
     """Two processes, one tensor-parallel group: each holds its half of q's, k's and v's rows of c_attn (not a
     contiguous half of the stacked matrix), the loss equals the plain model's bit for bit, the state gathers back to
-    the plain parameters, and the gradients agree to float rounding."""
+    the plain parameters, and the gradients agree to float rounding, also once clipped (``clip_grad_norm_``)."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_tensor_parallel_worker, args=(str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
@@ -226,3 +234,5 @@ def test_tensor_parallel_splits_q_k_v_by_heads_and_computes_the_same(tmp_path) -
         assert found["rows"] and found["weights"], (rank, found)
         assert found["loss"][0] == found["loss"][1], (rank, found)
         assert found["grads"] < 1e-6, (rank, found)
+        assert found["norms"][0] > 0.1 and abs(found["norms"][1] - found["norms"][0]) < 1e-6 * found["norms"][0]
+        assert found["clipped"] < 1e-7, (rank, found)

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from lit_ddp.models.gpt import GPT, Block, GPTConfig
-from lit_ddp.models.parallelize import shard, tensor_parallel
+from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
 from lit_ddp.strategies import FSDP2Strategy, forward_is_collective
 
 
@@ -42,6 +42,31 @@ def test_each_block_and_the_root_are_sharded_and_compute_the_same(one_process_gr
     a.backward()
     for (name, p), q in zip(plain.named_parameters(), sharded.parameters(), strict=True):
         torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_clip_grad_norm_clips_a_mix_of_split_and_whole_parameters_as_torch_clips_whole_ones(
+    one_process_group: None,
+) -> None:
+    """A GPT split by the tensor-parallel plan (over one rank: its blocks' parameters DTensors, the rest whole, the
+    mix torch's clip_grad_norm_ refuses) clipped by ours: the norm and the clipped gradients of the plain model
+    clipped by torch's. On two ranks: ``tests/system/test_fsdp.py``."""
+    from lit_ddp import compat
+
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11, dropout=0.0))
+    split = tensor_parallel(copy.deepcopy(plain), init_device_mesh("cpu", (1,)), compat.strided_shard(0, 3))
+    idx = torch.randint(0, 11, (3, 8), generator=torch.Generator().manual_seed(1))
+    for model in (plain, split):
+        model(idx, idx)[1].backward()
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):  # why ours exists (it fails unchanged)
+        torch.nn.utils.clip_grad_norm_(split.parameters(), 0.1)
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    got = clip_grad_norm_(split.parameters(), 0.1)
+    assert want > 0.1  # it clips
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), split.parameters(), strict=True):
+        grad = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+        torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-8, msg=name)
 
 
 def test_a_two_dimensional_mesh_is_refused(one_process_group: None) -> None:
