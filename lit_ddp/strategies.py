@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import importlib
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lit_ddp import compat
 from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
@@ -137,11 +145,71 @@ class FSDP2Strategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = self.broadcast(str(filepath))
         written: str = self.broadcast(sharded.temporary_directory(path) if self.is_global_zero else "")
+        for key in ("state_dict", "optimizer_states"):  # DCP writes one box per rank: strided rows as contiguous ones
+            if key in checkpoint:
+                checkpoint[key] = _mapped(checkpoint[key], _contiguous)
         super().save_checkpoint(checkpoint, written, storage_options)  # every rank its shards, rank zero meta.pt
         self.barrier("lit_ddp_sharded_checkpoint_written")
         if self.is_global_zero:
             sharded.commit(written, path)
         self.barrier("lit_ddp_sharded_checkpoint_committed")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load; a sharded checkpoint of a model with strided parameters (tensor parallelism's q, k, v
+        rows) is read as Lightning reads one, through contiguous rows (as :meth:`save_checkpoint` wrote them), which
+        then go back to the strided layout.
+
+        Raises:
+            ValueError: a single-file (full-state) checkpoint for a model with strided parameters: Lightning's
+                full-state load puts c_attn's rows in the wrong places (a resumed run's c_attn weights ended 1.1
+                apart, relative, from the uninterrupted run's).
+        """
+        path = Path(self.broadcast(str(checkpoint_path)))
+        model = self.model
+        if model is None or not any(_strided(p) for p in model.parameters()):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if not sharded.is_sharded(path):
+            raise ValueError(
+                f"{path} is a single-file checkpoint, which cannot be loaded into tensor-parallel parameters yet (c_attn's "
+                "rows would land in the wrong places): resume from a sharded one (save_distributed_checkpoint: true, "
+                "as configs/trainer/tp.yaml writes), or train on without tensor parallelism"
+            )
+        states: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+        states |= {f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(self.optimizers)}
+        for key, state in states.items():  # each read on its own, as Lightning's _load_checkpoint reads them
+            staged = {key: _mapped(state, _contiguous)}
+            dcp.load(staged, checkpoint_id=path)
+            restored = _mapped(staged[key], _strided_like, state)
+            if key == "state_dict":
+                model.load_state_dict(restored, strict=self.lightning_module.strict_loading)  # type: ignore[union-attr]
+            else:
+                optimizer = self.optimizers[int(key.split("_")[1])]
+                set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / sharded.META, weights_only=weights_only)
+
+
+def _contiguous(value: Any) -> Any:
+    """A ``DTensor`` split by strided rows, redistributed to the same rows split contiguously; others as they are."""
+    if not (isinstance(value, DTensor) and any(compat.is_strided_shard(p) for p in value.placements)):
+        return value
+    placements = [Shard(p.dim) if compat.is_strided_shard(p) else p for p in value.placements]  # type: ignore[attr-defined]
+    return value.redistribute(value.device_mesh, placements)
+
+
+def _strided_like(value: Any, like: Any) -> Any:
+    """``value`` in ``like``'s placements when ``like`` is a ``DTensor`` that differs from it, else ``value``."""
+    if isinstance(like, DTensor) and isinstance(value, DTensor) and value.placements != like.placements:
+        return value.redistribute(like.device_mesh, like.placements)
+    return value
+
+
+def _mapped(tree: Any, fn: Any, *like: Any) -> Any:
+    """``fn`` applied to each leaf of nested dicts and lists (with ``like``'s leaf beside it, when given)."""
+    if isinstance(tree, dict):
+        return {k: _mapped(v, fn, *(x[k] for x in like)) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_mapped(v, fn, *(x[i] for x in like)) for i, v in enumerate(tree))
+    return fn(tree, *like)
 
 
 def gpt_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:

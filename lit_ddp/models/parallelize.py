@@ -74,8 +74,8 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, stacked_rows: Placement)
     takes its rows of each (``stacked_rows``), not a contiguous third. Its bias stays whole on every rank (DTensor
     hands each rank its rows of it in the forward, and all-gathers its gradient): FSDP2 over tensor-parallel groups
     trains a strided bias wrong (torch 2.13: q's and v's rows drift off by whole optimizer steps), a whole one
-    right. The embeddings, the norms and the head stay whole on every rank too. Parameters become ``DTensor``; the state dict holds whole tensors in the usual layout, so
-    checkpoints move between tensor-parallel and other runs.
+    right. The embeddings, the norms and the head stay whole on every rank too. Parameters become ``DTensor``; the
+    state dict holds whole tensors in the usual layout.
 
     Args:
         model: the model, on its device, before its optimizer is built.
