@@ -57,7 +57,7 @@ bench-recovery: venv
 bench-fsdp: venv
 	$(BIN)/python -m bench.fsdp $(BENCH_ARGS)
 
-# The GPU path (GPU machines only, about 8 minutes on one H100): the tutorial's minGPT in bf16 over NCCL under DDP
+# The GPU path (GPU machines only, 8 to 10 minutes on one H100): the tutorial's minGPT in bf16 over NCCL under DDP
 # and FSDP2, each killed twice by lit-ddp chaos and compared bit for bit with an uninterrupted run; tokens/s, MFU.
 bench-gpu: venv
 	PYTHON=$(BIN)/python bash bench/gpu_path.sh

@@ -6,7 +6,7 @@
 #
 #   bash bench/gpu_path.sh [OUTDIR] [extra fit arguments...]
 #
-# A GPU machine runs it as it is (every GPU it has: trainer.devices -1), in about 8 minutes on one H100: each launch
+# A GPU machine runs it as it is (every GPU it has: trainer.devices -1), in 8 to 10 minutes on one H100: each launch
 # there takes 20-30 s before its first step. Under torch < 2.13 (this workplace's GPU image has 2.11) DDP rejects
 # configs/trainer/ddp.yaml's forward_sync_buffers: point GPU_PATH_DDP_CONFIG at a copy that has
 # `broadcast_buffers: false` instead. Environment: GPU_PATH_STEPS (300), GPU_PATH_SEED (1), GPU_PATH_TUTORIAL_EPOCHS (3).
@@ -46,15 +46,14 @@ step() {  # step NAME SECONDS COMMAND...: runs it for at most SECONDS, its outpu
 tutorial=(--config configs/mingpt/tutorial.yaml --config configs/checkpoint/fault_tolerant.yaml)
 ddp=${GPU_PATH_DDP_CONFIG:-configs/trainer/ddp.yaml}
 # The two chaos runs share the GPUs (exactness does not depend on timing; their tokens/s are a shared GPU's)
-step chaos_ddp 300 $py -m lit_ddp chaos --launcher single --faults 2 --kinds kill term --seed "$seed" \
-    --root "$out/ddp" --timeout 280 -- --config "$ddp" "${tutorial[@]}" \
+step chaos_ddp 400 $py -m lit_ddp chaos --launcher single --faults 2 --kinds kill term --seed "$seed" \
+    --root "$out/ddp" --timeout 380 -- --config "$ddp" "${tutorial[@]}" \
     --config configs/trainer/gpu.yaml --trainer.max_steps "$steps" "$@" &
-step chaos_fsdp2 300 $py -m lit_ddp chaos --launcher single --faults 2 --kinds kill term --seed "$seed" \
-    --root "$out/fsdp2" --timeout 280 -- --config configs/trainer/fsdp.yaml "${tutorial[@]}" \
+step chaos_fsdp2 400 $py -m lit_ddp chaos --launcher single --faults 2 --kinds kill term --seed "$seed" \
+    --root "$out/fsdp2" --timeout 380 -- --config configs/trainer/fsdp.yaml "${tutorial[@]}" \
     --config configs/mingpt/fsdp.yaml --config configs/trainer/gpu.yaml --trainer.max_steps "$steps" "$@" &
 wait
-ckpt=$(find "$out/fsdp2" -type d -name last.ckpt -path '*faulted*' | head -1)
-step generate 45 $py -m lit_ddp generate --ckpt_path "${ckpt:-$out/fsdp2/missing}" --max_new_tokens 200
+step generate 45 $py -m lit_ddp generate --ckpt_path "$out/fsdp2/faulted/checkpoints/last.ckpt" --max_new_tokens 200
 # The tutorial as its README row runs it (3 of its 10 epochs by default, a checkpoint every 3) alone on the GPUs:
 # its speed and losses
 step tutorial "${GPU_PATH_TUTORIAL_LIMIT:-150}" $py -m lit_ddp fit --config "$ddp" \

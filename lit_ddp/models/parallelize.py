@@ -115,8 +115,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     norms = [torch.linalg.vector_norm(g) for g in grads]
     total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale = coef.item()  # for DTensor gradients, which take no plain tensor operand: one host sync, not one each
     for g in grads:
-        g.mul_(coef.item() if isinstance(g, DTensor) else coef)  # a DTensor takes no plain tensor operand
+        g.mul_(scale if isinstance(g, DTensor) else coef)
     return total
 
 

@@ -73,6 +73,23 @@ def final(root: Path) -> dict:
     return sharded.full_checkpoint(last) if last.is_dir() else torch.load(last, weights_only=False)
 
 
+def fit_40(runner: Runner, text: Path, root: Path, strategy: str, devices: int, batch: int, *extra: str,
+           configs: tuple[str, ...] = (), ok: bool = True) -> str:  # fmt: skip
+    """minGPT (:func:`mingpt`, then ``configs``) for 40 steps into ``root``, without dropout, AdamW at 3e-4,
+    ``batch`` windows per process; asserts it ends as ``ok`` says and returns its output."""
+    args = [*mingpt(strategy, 40, text), *compose(*configs), "--model.dropout", "0.0", "--model.learning_rate", "3e-4",
+            "--data.batch_size", str(batch), "--trainer.devices", str(devices), "--trainer.default_root_dir", str(root),
+            *extra]  # fmt: skip
+    result = runner.run(lit_ddp("fit", *args), timeout=240)
+    assert (result.returncode == 0) == ok, result.stdout[-5000:]
+    return result.stdout
+
+
+def worst_drift(a: dict, b: dict) -> float:
+    """The largest relative difference (in norm) between two state dicts' tensors."""
+    return max(((b[k] - t).norm() / t.norm()).item() for k, t in a.items())
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
@@ -85,13 +102,8 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(
     was not interrupted, to float rounding (1e-5, relative, per tensor). Then ``lit-ddp generate`` samples from the
     resumed run's sharded last.ckpt."""
 
-    def fit(root: Path, devices: int, *extra: str) -> str:
-        args = [*mingpt("fsdp", 40, tiny_text), "--model.dropout", "0.0", "--model.learning_rate", "3e-4",
-                "--data.batch_size", str(16 // devices), "--trainer.devices", str(devices),
-                "--trainer.default_root_dir", str(root), *extra]  # fmt: skip
-        result = runner.run(lit_ddp("fit", *args), timeout=240)
-        assert result.returncode == 0, result.stdout[-5000:]
-        return result.stdout
+    def fit(root: Path, devices: int, *extra: str) -> str:  # a global batch of 16
+        return fit_40(runner, tiny_text, root, "fsdp", devices, 16 // devices, *extra)
 
     for first, then in ((2, 1), (1, 2)):
         whole, resumed = tmp_path / f"whole_on_{first}", tmp_path / f"{first}_then_{then}"
@@ -101,7 +113,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(
         assert f"at global_step {checkpoint_step(middle)}," in fit(resumed, then, "--ckpt_path", middle)
         a, b = final(whole), final(resumed)
         assert (a["global_step"], b["global_step"]) == (40, 40)
-        worst = max(((b["state_dict"][k] - t).norm() / t.norm()).item() for k, t in a["state_dict"].items())
+        worst = worst_drift(a["state_dict"], b["state_dict"])
         print(f"{first} -> {then} processes: parameters within {worst:.1e} (relative, in norm) of the whole run's")
         assert worst <= 1e-5, f"{first} -> {then}: {worst:.1e}"
     last = resumed / "checkpoints" / "last.ckpt"
@@ -123,13 +135,8 @@ def test_a_tensor_parallel_checkpoint_resumes_under_tensor_parallelism_and_fsdp2
     Not bit for bit: a tensor-parallel resume drifts by float rounding (lit-ddp chaos: 9.3e-4 after 150 steps at
     cpu.yaml's learning rate 2e-2). A single-file checkpoint given to a tensor-parallel run stops it with one line."""
 
-    def fit(root: Path, strategy: str, devices: int, *extra: str, ok: bool = True) -> str:
-        args = [*mingpt(strategy, 40, tiny_text), *compose("mingpt/tp"), "--model.dropout", "0.0",
-                "--model.learning_rate", "3e-4", "--data.batch_size", "16", "--trainer.devices", str(devices),
-                "--trainer.default_root_dir", str(root), *extra]  # fmt: skip
-        result = runner.run(lit_ddp("fit", *args), timeout=240)
-        assert (result.returncode == 0) == ok, result.stdout[-5000:]
-        return result.stdout
+    def fit(root: Path, strategy: str, devices: int, *extra: str, ok: bool = True) -> str:  # 16 windows a step
+        return fit_40(runner, tiny_text, root, strategy, devices, 16, *extra, configs=("mingpt/tp",), ok=ok)
 
     whole = tmp_path / "whole"
     fit(whole, "tp", 2)
@@ -141,7 +148,7 @@ def test_a_tensor_parallel_checkpoint_resumes_under_tensor_parallelism_and_fsdp2
                                                                    middle, *extra)  # fmt: skip
         a, b = final(whole), final(tmp_path / name)
         assert (a["global_step"], b["global_step"]) == (40, 40)
-        worst = max(((b["state_dict"][k] - t).norm() / t.norm()).item() for k, t in a["state_dict"].items())
+        worst = worst_drift(a["state_dict"], b["state_dict"])
         print(f"resumed under {name}: parameters within {worst:.1e} (relative, in norm) of the whole run's")
         assert worst <= 1e-5, f"{name}: {worst:.1e}"
     single_file = tmp_path / "fsdp" / "checkpoints" / "last.ckpt"
