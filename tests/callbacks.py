@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -133,48 +132,6 @@ class RecordStart(Callback):
         }
         name = f"start_r{_slurm_restart_count()}_t{record['torchelastic_restart_count'] or 0}"
         _write(self.out_dir, f"{name}_rank{trainer.global_rank}.json", json.dumps(record))
-
-
-class KillAtEpochStart(Callback):
-    """SIGKILLs its own process when training epoch ``epoch`` starts, as a crash or an OOM kill would.
-
-    Args:
-        epoch: the zero-based epoch at whose start to die.
-        rank: the global rank that dies; None: every rank.
-        marker: if given, a file written before the kill; while it exists nobody dies again (restarted
-            workers survive).
-    """
-
-    def __init__(self, epoch: int, rank: int | None = None, marker: str | None = None) -> None:
-        self.epoch, self.rank, self.marker = epoch, rank, marker
-
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.current_epoch != self.epoch or self.rank not in (None, trainer.global_rank):
-            return
-        if self.marker is not None:
-            if os.path.exists(self.marker):
-                return
-            Path(self.marker).write_text(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class KillAtSteps(Callback):
-    """SIGKILLs its own process on rank ``rank`` before optimizer step ``steps[i] + 1`` of the i-th attempt.
-
-    Args:
-        steps: the global step at which to die, one per attempt; later attempts run to the end.
-        state_dir: where ``killed_<i>`` markers are written (created if missing).
-        rank: the global rank that dies.
-    """
-
-    def __init__(self, steps: list[int], state_dir: str, rank: int = 0) -> None:
-        self.steps, self.state_dir, self.rank = list(steps), state_dir, rank
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        i = _kills_so_far(self.state_dir)
-        if trainer.global_rank == self.rank and i < len(self.steps) and trainer.global_step == self.steps[i]:
-            _write(self.state_dir, f"killed_{i}", str(trainer.global_step))
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class PauseForSignal(Callback):

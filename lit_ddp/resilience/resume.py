@@ -146,9 +146,12 @@ def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list
 
 
 def _names(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
-    """The entry names (files and directories) of ``directory``, local or through fsspec; none if it is missing."""
+    """The entry names (files and directories) of ``directory``, local or through fsspec; none if it is missing.
+    Listed afresh: an object store's filesystem (s3fs) keeps each listing, and other processes write here."""
+    path = url_to_fs(directory)[1]
+    fs.invalidate_cache(path)
     try:
-        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(url_to_fs(directory)[1], detail=False)]
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
     except FileNotFoundError:
         return []
 

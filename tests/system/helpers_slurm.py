@@ -1,7 +1,7 @@
 """Slurm-specific helpers for the tests against a real Slurm cluster (``slurm/local_cluster.sh start``).
 
 Every Slurm call has a timeout; jobs are cancelled by the caller in a ``finally``. The training-side
-callbacks (``RecordStart``, ``PauseForSignal``, ``KillAtEpochStart``...) are in :mod:`tests.callbacks`.
+callbacks (``RecordStart``, ``PauseForSignal``...) are in :mod:`tests.callbacks`.
 """
 
 from __future__ import annotations

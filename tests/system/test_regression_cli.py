@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,8 +16,8 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lit_ddp.cli import cli_main
 from lit_ddp.data.regression import RegressionDataModule
 from lit_ddp.tensorboard import read_scalars
-from tests.callbacks import KillAtEpochStart
-from tests.helpers import QUIET, Runner, callback, compose, load_records, noise_lines, torchrun, wait
+from tests.helpers import QUIET, Runner, compose, lit_ddp, load_records, noise_lines, torchrun, wait
+from tests.system.test_chaos import fault_table
 from tests.system.test_reliability import Watched, workers
 
 
@@ -138,31 +137,28 @@ def test_multinode_two_agents(tmp_path: Path, runner: Runner, recorder) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-def test_rerun_resumes_without_repeating_an_epoch(tmp_path: Path, runner: Runner, recorder) -> None:
-    """Killed after its epoch-1 checkpoint, the same command resumes at epoch 2 and stops at max_epochs."""
-    root = tmp_path / "run"
-    args = [*compose("regression/single_device"), "--trainer.default_root_dir", str(root),
-            "--trainer.max_epochs", "5", "--checkpoint.every_n_epochs", "1", *QUIET]  # fmt: skip
-    killer, rec = recorder("kill", callback(KillAtEpochStart, epoch=2))
-    first = runner.fit(*args, "--config", str(killer), timeout=120)
-    assert first.returncode == -9, first.stdout[-3000:]
-    saved = sorted(p.name for p in (root / "checkpoints").iterdir())
-    assert saved == ["epoch=0-step=56.ckpt", "epoch=1-step=112.ckpt", "last.ckpt"]
-    shutil.rmtree(rec, ignore_errors=True)
-    record_only, rec = recorder("rec")
-    second = runner.fit(*args, "--config", str(record_only), timeout=120)  # the same command, no resume flag
-    assert second.returncode == 0, second.stdout[-3000:]
-    assert "Restoring states from the checkpoint path at" in second.stdout
-    assert not noise_lines(second.stdout), noise_lines(second.stdout)
-    [record] = load_records(rec)
-    assert sorted(record["epochs"]) == [2, 3, 4], "resumed at epoch 2, no epoch repeated"
-    assert record["global_step"] == 5 * 56
-    last = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
-    assert last["epoch"] == 4 and last["global_step"] == 5 * 56
-    # One continuous TensorBoard log: one val/loss point per epoch, none duplicated.
-    assert [s for s, _ in read_scalars(root, "val/loss")] == [56 * e - 1 for e in range(1, 6)]
+@pytest.mark.timeout(300)
+def test_rerun_resumes_without_repeating_an_epoch(tmp_path: Path, runner: Runner, seed: int) -> None:
+    """The tutorial's single_gpu.py run (20 epochs of 56 steps, a checkpoint every epoch), SIGKILLed by
+    ``lit-ddp chaos`` once at a moment drawn from the seed and run again with the same command (no resume flag, as
+    a user would): it resumes from an epoch checkpoint, ends bit-identical to the uninterrupted run, and leaves
+    one continuous TensorBoard log with one val/loss point per epoch, none repeated."""
+    epochs, per_epoch = 20, 56
+    fit = [*compose("regression/single_device"), "--checkpoint.every_n_epochs", "1", *QUIET]
+    root = tmp_path / "c"
+    cmd = lit_ddp("chaos", "--faults", "1", "--kinds", "kill", "--seed", str(seed), "--root", str(root), "--", *fit)
+    result = runner.run(cmd, timeout=240)
+    log = (root / "faulted.log").read_text()
+    assert result.returncode == 0, result.stdout[-4000:] + log[-4000:]
+    assert "identical: the faulted run ends bit for bit" in result.stdout
+    [row] = fault_table(result.stdout)
+    resumed = int(row[-3])  # ... resumed from, steps redone, seconds lost
+    assert resumed > 0 and resumed % per_epoch == 0, row  # an epoch's checkpoint
+    assert "Restoring states from the checkpoint path at" in log and not noise_lines(log), noise_lines(log)
+    run = root / "faulted"
+    assert [s for s, _ in read_scalars(run, "val/loss")] == [per_epoch * e - 1 for e in range(1, epochs + 1)]
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["epoch"] == epochs - 1 and last["global_step"] == epochs * per_epoch
 
 
 # 2304 samples: 2016 training samples, 21 global batches of 3 x 32 an epoch, none short.
