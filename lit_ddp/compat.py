@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.utilities.cloud_io import _is_object_storage
 from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
@@ -309,6 +310,22 @@ def set_model_parallel_sizes(strategy: Any, data_parallel_size: int, tensor_para
     and the world size is known only once the Trainer has set the devices (no public setter)."""
     strategy._data_parallel_size = data_parallel_size
     strategy._tensor_parallel_size = tensor_parallel_size
+
+
+def threads_like_rank_zero(num_processes: int) -> None:
+    """Gives this process the intra-op threads Lightning's launcher gave rank zero: ``OMP_NUM_THREADS``, else
+    this machine's CPUs over ``num_processes`` (Lightning's private ``_set_num_threads_if_needed``).
+
+    A Lightning bug, not reported upstream yet (no issue found, 2026-11-26): ``ModelParallelStrategy`` sets up its
+    launcher only in the process the user started (``_configure_launcher`` skips it where the cluster environment
+    ``creates_processes_externally``, as in the processes that launcher started), and the launcher is what sets
+    the threads, so rank zero computes with CPUs / processes threads and the other ranks with every CPU.
+    ``DDPStrategy`` configures its launcher in every process. On CPU the ranks' kernels then reduce in different
+    orders: under tensor parallelism the parameters every rank holds whole (embeddings, norms, biases) drift
+    apart by float rounding, and a sharded checkpoint, which keeps one rank's copy, resumed off the uninterrupted
+    run. Under torchrun and Slurm nothing changes: the launcher sets ``OMP_NUM_THREADS`` (torchrun) or the CPUs
+    each task may use."""
+    _set_num_threads_if_needed(num_processes=num_processes)
 
 
 def dcp_storage_extents(metadata: Any) -> dict[str, int]:

@@ -108,6 +108,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 "(nodes x devices): give a divisor of it"
             )
         compat.set_model_parallel_sizes(self, self.world_size // self.tensor_parallel_size, self.tensor_parallel_size)
+        compat.threads_like_rank_zero(self.num_processes)  # every rank as many as rank zero (compat says why)
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:

@@ -130,10 +130,10 @@ def test_a_tensor_parallel_checkpoint_resumes_under_tensor_parallelism_and_fsdp2
     tmp_path: Path, runner: Runner, tiny_text: Path
 ) -> None:
     """configs/trainer/tp.yaml's sharded checkpoints (c_attn's strided rows written as contiguous ones): one from
-    the middle of a 40-step run resumes by --ckpt_path under tensor parallelism and under FSDP2 on one process (the
-    same global batch of 16, no dropout), each ending within 1e-5 (relative, per tensor) of the uninterrupted run.
-    Not bit for bit: a tensor-parallel resume drifts by float rounding (lit-ddp chaos: 9.3e-4 after 150 steps at
-    cpu.yaml's learning rate 2e-2). A single-file checkpoint given to a tensor-parallel run stops it with one line."""
+    the middle of a 40-step run resumes by --ckpt_path under tensor parallelism and ends with the uninterrupted
+    run's parameters bit for bit (both ranks compute with the same threads: compat.threads_like_rank_zero), and
+    under FSDP2 on one process (the same global batch of 16, no dropout) within 1e-5 (relative, per tensor). A
+    single-file checkpoint given to a tensor-parallel run stops it with one line."""
 
     def fit(root: Path, strategy: str, devices: int, *extra: str, ok: bool = True) -> str:  # 16 windows a step
         return fit_40(runner, tiny_text, root, strategy, devices, 16, *extra, configs=("mingpt/tp",), ok=ok)
@@ -150,7 +150,7 @@ def test_a_tensor_parallel_checkpoint_resumes_under_tensor_parallelism_and_fsdp2
         assert (a["global_step"], b["global_step"]) == (40, 40)
         worst = worst_drift(a["state_dict"], b["state_dict"])
         print(f"resumed under {name}: parameters within {worst:.1e} (relative, in norm) of the whole run's")
-        assert worst <= 1e-5, f"{name}: {worst:.1e}"
+        assert worst <= (0.0 if name == "tp" else 1e-5), f"{name}: {worst:.1e}"
     single_file = tmp_path / "fsdp" / "checkpoints" / "last.ckpt"
     assert single_file.is_file()
     out = fit(tmp_path / "refused", "tp", 2, "--ckpt_path", str(single_file), ok=False)

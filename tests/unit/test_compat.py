@@ -5,6 +5,7 @@ revisit (or delete, when the gap has closed upstream)."""
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 import torch
@@ -281,3 +282,36 @@ def test_strided_shard_internals() -> None:
     assert isinstance(placement, _StridedShard) and (placement.dim, placement.split_factor) == (0, 3)
     assert compat.is_strided_shard(placement) and not placement.is_shard()  # not a Shard: hence is_strided_shard
     assert not compat.is_strided_shard(Shard(0)) and not compat.is_strided_shard(Replicate())
+
+
+def test_lightning_leaves_the_threads_of_model_parallel_ranks_it_started_unset(monkeypatch) -> None:
+    """The bug :func:`compat.threads_like_rank_zero` works around: in a process Lightning's launcher started
+    (``LOCAL_RANK`` set), ``ModelParallelStrategy`` configures no launcher, and so nothing sets its threads, where
+    ``DDPStrategy`` configures one (whose ``launch`` sets them)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for strategy_class, launcher in ((ModelParallelStrategy, False), (DDPStrategy, True)):
+        strategy = strategy_class()
+        strategy.cluster_environment = LightningEnvironment()  # as the Trainer's connector sets it
+        assert strategy.cluster_environment.creates_processes_externally
+        strategy._configure_launcher()
+        assert (strategy.launcher is not None) == launcher, strategy_class
+
+
+def test_threads_like_rank_zero(monkeypatch) -> None:
+    """CPUs over processes where ``OMP_NUM_THREADS`` is unset (as rank zero gets from Lightning's launcher); the
+    variable's value where it is set."""
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        compat.threads_like_rank_zero(2)
+        expected = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert torch.get_num_threads() == expected and os.environ["OMP_NUM_THREADS"] == str(expected)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(5)
+        compat.threads_like_rank_zero(2)
+        assert torch.get_num_threads() == 5, "a set OMP_NUM_THREADS is the user's (or torchrun's): left alone"
+    finally:
+        torch.set_num_threads(before)
