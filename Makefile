@@ -32,9 +32,10 @@ format: venv
 	$(BIN)/ruff check --fix lit_ddp tests bench scripts
 
 # The whole suite: lint, fast tests, then slow and multi-process ones (Slurm tests skip unless the
-# local cluster runs: `slurm/local_cluster.sh start`).
+# local cluster runs: `slurm/local_cluster.sh start`). The 25 slowest tests are listed at the end: the suite's
+# time is a budget (docs/development.md).
 test: venv lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 # Only the unit tests (tests/unit: none carries a slow / multiprocess / slurm marker; tests/conftest.py checks).
 test-fast: venv
