@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -65,11 +66,17 @@ class FSDP2Strategy(ModelParallelStrategy):
             Checkpoint: each rank writes its own, and a checkpoint of N processes resumes on any number), put in
             place atomically (:mod:`lit_ddp.resilience.sharded`); False: one file with the full state, gathered on
             rank zero, as DDP writes.
+        async_save: with ``save_distributed_checkpoint``: DCP's ``async_save`` copies the shards to host memory
+            and writes them in a background thread (its collectives on a process group of their own) while
+            training goes on. A checkpoint appears (is committed) once every rank has written it, which the
+            strategy checks at the next save, at a preemption's save and at the end of the run; until then
+            resume picks the one before. Costs host memory for one more copy of each rank's shards.
         process_group_backend: None: gloo on CPU, NCCL on CUDA.
         timeout: the timeout of the process group's collectives.
 
     Raises:
-        ValueError: ``tensor_parallel_size`` < 1, or > 1 without a plan; a unit that is not a module class, a plan
+        ValueError: ``tensor_parallel_size`` < 1, or > 1 without a plan; ``async_save`` without
+            ``save_distributed_checkpoint``; a unit that is not a module class, a plan
             that is not a function; at set-up, a world size that ``tensor_parallel_size`` does not divide, a
             LightningModule with ``compile=True`` (a compiled forward would skip the hooks that gather the shards),
             or an optimizer whose ``state_dict`` lacks torch's ``state`` / ``param_groups`` (Muon + AdamW).
@@ -81,6 +88,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: str | None = None,
         save_distributed_checkpoint: bool = False,
+        async_save: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -88,6 +96,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size}: give 1 (FSDP2 alone), or a size > 1 with "
                 "tensor_parallel_plan (e.g. lit_ddp.strategies.gpt_tensor_parallel)"
+            )
+        if async_save and not save_distributed_checkpoint:
+            raise ValueError(
+                "async_save=true writes sharded checkpoints in the background: give save_distributed_checkpoint: "
+                "true with it (single-file checkpoints: the plugin lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO)"
             )
         super().__init__(
             data_parallel_size="auto",
@@ -98,6 +111,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         )
         self.tensor_parallel_size = tensor_parallel_size
         self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.async_save = async_save
+        self._writing: tuple[Any, str, str] | None = None  # async_save's (future, directory written, its path)
+        self._checkpoint_group: Any = None
         self.units = tuple(_module_class(path) for path in units or [])
         self.plan = _function(tensor_parallel_plan) if tensor_parallel_plan else None
 
@@ -128,6 +144,8 @@ class FSDP2Strategy(ModelParallelStrategy):
                     strided = [p for p in child.parameters() if p.ndim == 2 and _strided(p)]
                     shard(child, mesh["data_parallel"], self.units, param_dtype=dtype, by_columns=strided)
         super().setup(trainer)  # then the optimizers, over the shards
+        if self.async_save and self._checkpoint_group is None:  # every rank, in step: a collective
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
         for optimizer in self.optimizers:  # torch's distributed state dict, which saves them, reads these keys
             if not {"state", "param_groups"} <= optimizer.state_dict().keys():
                 raise ValueError(
@@ -144,16 +162,52 @@ class FSDP2Strategy(ModelParallelStrategy):
         once every rank has written its shards (a kill mid-save leaves the previous checkpoint chosen)."""
         if not self.save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.finish_checkpoint_writes()  # one write in flight at most: the one before is committed first
         path = self.broadcast(str(filepath))
         written: str = self.broadcast(sharded.temporary_directory(path) if self.is_global_zero else "")
         for key in ("state_dict", "optimizer_states"):  # DCP writes one box per rank: strided rows as contiguous ones
             if key in checkpoint:
                 checkpoint[key] = _mapped(checkpoint[key], _contiguous)
+        if self.async_save:  # as Lightning's save lays it out, through DCP's async_save
+            states = {"state_dict": checkpoint.pop("state_dict")}
+            states |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
+            future = dcp.async_save(states, checkpoint_id=written, process_group=self._checkpoint_group)
+            if self.is_global_zero:
+                torch.save(checkpoint, Path(written) / sharded.META)
+            self._writing = (future, written, path)
+            return
         super().save_checkpoint(checkpoint, written, storage_options)  # every rank its shards, rank zero meta.pt
+        self._commit(written, path)
+
+    def finish_checkpoint_writes(self) -> None:
+        """Waits for the checkpoint ``async_save`` is writing, on every rank, and puts it in place; nothing without
+        one. Every rank calls it at the same point (a barrier).
+
+        Raises:
+            Exception: the background write's error (the checkpoint is not committed).
+        """
+        if self._writing is None:
+            return
+        (future, written, path), self._writing = self._writing, None
+        future.result()
+        self._commit(written, path)
+
+    def _commit(self, written: str, path: str) -> None:
         self.barrier("lit_ddp_sharded_checkpoint_written")
         if self.is_global_zero:
             sharded.commit(written, path)
         self.barrier("lit_ddp_sharded_checkpoint_committed")
+
+    def on_train_end(self) -> None:
+        """The last checkpoint goes into place before the run ends (after the callbacks' ``on_train_end``)."""
+        self.finish_checkpoint_writes()
+        super().on_train_end()
+
+    def teardown(self) -> None:
+        # A run that failed leaves an async write uncommitted: waiting would wait on the rank that failed, and
+        # resume never picks a temporary directory.
+        self._writing = None
+        super().teardown()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's load; a sharded checkpoint of a model with strided parameters (tensor parallelism's q, k, v

@@ -145,12 +145,16 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         super().__init__(checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO())
 
 
-def wait_for_checkpoint_writes(checkpoint_io: CheckpointIO | None) -> None:
-    """Blocks until an asynchronous checkpoint write in flight is on disk (a no-op for synchronous IO).
+def wait_for_checkpoint_writes(strategy: Any) -> None:
+    """Blocks until an asynchronous checkpoint write in flight is on disk (a no-op for synchronous IO): the
+    strategy's own (``FSDP2Strategy(async_save=True)``: every rank, a barrier), else its ``checkpoint_io``'s.
 
     Raises:
         BaseException: the error of a failed asynchronous write.
     """
+    if (finish := getattr(strategy, "finish_checkpoint_writes", None)) is not None:
+        finish()
+    checkpoint_io = getattr(strategy, "checkpoint_io", None)
     while checkpoint_io is not None and not isinstance(checkpoint_io, AsyncCheckpointIO):
         checkpoint_io = getattr(checkpoint_io, "checkpoint_io", None)
     if checkpoint_io is not None:

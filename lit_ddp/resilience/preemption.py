@@ -169,7 +169,7 @@ class PreemptionCheckpoint(Callback):
         path = compat.hpc_save_path(trainer)
         rank_zero_info(f"{signal.Signals(signum).name} received: saving {path} at global_step {trainer.global_step}")
         trainer.save_checkpoint(path, weights_only=False)  # the whole state; None logs a line on every rank
-        wait_for_checkpoint_writes(trainer.strategy.checkpoint_io)
+        wait_for_checkpoint_writes(trainer.strategy)
         if trainer.is_global_zero:
             remove_older_hpc_checkpoints(path)
         for logger in trainer.loggers:

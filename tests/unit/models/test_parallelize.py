@@ -90,6 +90,7 @@ def test_a_two_dimensional_mesh_is_refused(one_process_group: None) -> None:
         ),
         ({"units": ["lit_ddp.models.gpt.GPTConfig"]}, "units: 'lit_ddp.models.gpt.GPTConfig' is not a torch.nn.Module"),
         ({"units": ["Block"]}, "units: 'Block' is not a torch.nn.Module class"),
+        ({"async_save": True}, "async_save=true writes sharded checkpoints in the background: give"),
     ],
 )
 def test_fsdp2_strategy_names_a_bad_argument(kwargs: dict, says: str) -> None:
