@@ -323,8 +323,8 @@ def threads_like_rank_zero(num_processes: int) -> None:
     ``DDPStrategy`` configures its launcher in every process. On CPU the ranks' kernels then reduce in different
     orders: under tensor parallelism the parameters every rank holds whole (embeddings, norms, biases) drift
     apart by float rounding, and a sharded checkpoint, which keeps one rank's copy, resumed off the uninterrupted
-    run. Under torchrun and Slurm nothing changes: the launcher sets ``OMP_NUM_THREADS`` (torchrun) or the CPUs
-    each task may use."""
+    run. Where the launcher set ``OMP_NUM_THREADS`` (torchrun, ``slurm/*.sbatch``) nothing changes; a bare
+    ``srun`` gets what DDP gets there (Lightning's launcher runs in every DDP process)."""
     _set_num_threads_if_needed(num_processes=num_processes)
 
 
