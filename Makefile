@@ -43,7 +43,7 @@ test-fast: venv
 
 # What checkpointing costs per step (synchronous vs asynchronous saves).
 bench: venv
-	$(BIN)/python -m bench.checkpoint_overhead
+	$(BIN)/python -m bench.checkpoint_overhead $(BENCH_ARGS)
 
 # The main job's speed table: time to val/loss 1.886 vs nanoGPT's CPU recipe, Lightning vs plain DDP step
 # time, DDP scaling, MFU (about 20 minutes; README "Speed").

@@ -12,6 +12,10 @@ load from other processes on the machine hits them alike): no step checkpoints, 
 
 One process (``devices=1``; under DDP only rank zero writes while the others wait at the same barrier),
 validation off. Run: ``python -m bench.checkpoint_overhead`` (``make bench``).
+
+``--sharded``: the same three variants under ``configs/trainer/fsdp.yaml`` (FSDP2, AdamW: ``configs/mingpt/fsdp.yaml``),
+whose checkpoints are directories of DCP shards: ``sync`` writes them in the training loop, ``async``
+through DCP's ``async_save`` (``FSDP2Strategy(async_save=True)``), committed at the next save and at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ VARIANTS = {
     "sync": "lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO",
     "async": "lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO",
 }
+SHARDED_CONFIGS = ["configs/trainer/fsdp.yaml", "configs/mingpt/cpu.yaml", "configs/mingpt/fsdp.yaml"]
+SHARDED = {"none": None, "sync": "false", "async": "true"}  # FSDP2Strategy's async_save
 
 
 class _Clock(Callback):
@@ -61,12 +67,15 @@ def _timed(fn: Any, sink: list[float]) -> Any:
     return wrapper
 
 
-def run_variant(name: str, steps: int, every: int, root: Path, data: str | None) -> dict[str, float]:
+def run_variant(
+    name: str, steps: int, every: int, root: Path, data: str | None, sharded: bool = False
+) -> dict[str, float]:
     """One training run of ``steps`` optimizer steps on the text at ``data`` (None: ``$LIT_DDP_DATA``,
     else the embedded Tiny Shakespeare); returns its times (seconds) and save count."""
+    configs = SHARDED_CONFIGS if sharded else CONFIGS
     args = [
-        *(arg for config in CONFIGS for arg in ("--config", str(REPO / config))),
-        "--trainer.devices", "1", "--trainer.strategy", "auto",
+        *(arg for config in configs for arg in ("--config", str(REPO / config))),
+        "--trainer.devices", "1", *([] if sharded else ["--trainer.strategy", "auto"]),
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",  # so the text samples are off too
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
@@ -78,6 +87,13 @@ def run_variant(name: str, steps: int, every: int, root: Path, data: str | None)
         args += ["--data.init_args.path", data]
     if VARIANTS[name] is None:
         args += ["--checkpoint.every_n_train_steps", "0", "--checkpoint.save_last", "false"]
+    elif sharded:
+        args += [
+            "--checkpoint.every_n_train_steps",
+            str(every),
+            "--trainer.strategy.init_args.async_save",
+            SHARDED[name],
+        ]
     else:
         args += ["--checkpoint.every_n_train_steps", str(every), "--trainer.plugins", VARIANTS[name]]
     cli = LitDDPCLI(args=args, run=False)
@@ -102,6 +118,11 @@ def run_variant(name: str, steps: int, every: int, root: Path, data: str | None)
     return {"train": clock.end - clock.start, "fit": total, "blocked": sum(blocked), "saves": saves[0]}
 
 
+def _size(path: Path) -> int:
+    """Bytes of a checkpoint: a file, or a sharded checkpoint's directory."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
@@ -110,21 +131,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--data", default=None, help=f"text path or URL (default: ${DATA_ENV}, else the embedded Tiny Shakespeare)"
     )
+    parser.add_argument("--sharded", action="store_true", help="FSDP2's sharded checkpoints: DCP, sync vs async_save")
     ns = parser.parse_args(argv)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as tmp:
-        run_variant("none", 10, ns.every, Path(tmp) / "warmup", ns.data)  # imports, allocator, first-step costs
+        run_variant(
+            "none", 10, ns.every, Path(tmp) / "warmup", ns.data, ns.sharded
+        )  # imports, allocator, first-step costs
         names = list(VARIANTS)
         for r in range(ns.rounds):
             for name in names[r % 3 :] + names[: r % 3]:  # each round in another order
-                res = run_variant(name, ns.steps, ns.every, Path(tmp) / f"r{r}", ns.data)
+                res = run_variant(name, ns.steps, ns.every, Path(tmp) / f"r{r}", ns.data, ns.sharded)
                 results[name].append(res)
                 print(f"round {r} {name:>5}: {res}", file=sys.stderr)
-        ckpt_size = max((p.stat().st_size for p in Path(tmp).rglob("last.ckpt")), default=0)  # bytes
+        ckpt_size = max((_size(p) for p in Path(tmp).rglob("last.ckpt")), default=0)  # bytes
     base_train = statistics.median(x["train"] for x in results["none"])
     base_blocked = statistics.median(x["blocked"] for x in results["none"])
-    print(f"minGPT CPU config, 1 process, {ns.steps} steps, checkpoint every {ns.every} steps "
+    kind = "FSDP2, sharded checkpoints (sync: in the loop; async: async_save)" if ns.sharded else "DDP"
+    print(f"minGPT CPU config, {kind}, 1 process, {ns.steps} steps, checkpoint every {ns.every} steps "
           f"(+ last.ckpt, {ckpt_size / 1e6:.2f} MB each), median of {ns.rounds} rounds, order rotated")  # fmt: skip
     nones = [x["train"] for x in results["none"]]
     print(f"machine noise: the no-checkpoint runs took {min(nones):.1f}-{max(nones):.1f} s; a 'vs none' smaller "

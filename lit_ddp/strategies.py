@@ -215,9 +215,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         then go back to the strided layout.
 
         Raises:
-            ValueError: a single-file (full-state) checkpoint for a model with strided parameters: Lightning's
-                full-state load puts c_attn's rows in the wrong places (a resumed run's c_attn weights ended 1.1
-                apart, relative, from the uninterrupted run's).
+            ValueError: a single-file (full-state) checkpoint for a model with strided parameters: Lightning loads
+                it with torch's ``set_model_state_dict(broadcast_from_rank0=True)``, whose
+                ``_state_dict_utils._distribute_tensors`` gives each rank a contiguous block of rows, not its rows
+                of q, of k and of v (torch 2.13; a resumed run's c_attn weights ended 1.1 apart, relative, from the
+                uninterrupted run's). No upstream issue found yet; ``tests/system/test_fsdp.py`` shows it.
         """
         model = self.model
         if model is None or not any(_strided(p) for p in model.parameters()):
