@@ -68,7 +68,7 @@ def _timed(fn: Any, sink: list[float]) -> Any:
 
 
 def run_variant(
-    name: str, steps: int, every: int, root: Path, data: str | None, sharded: bool = False
+    name: str, steps: int, every: int, root: Path, data: str | None, sharded: bool = False, tutorial: bool = False
 ) -> dict[str, float]:
     """One training run of ``steps`` optimizer steps on the text at ``data`` (None: ``$LIT_DDP_DATA``,
     else the embedded Tiny Shakespeare); returns its times (seconds) and save count."""
@@ -85,6 +85,8 @@ def run_variant(
     ]  # fmt: skip
     if data:
         args += ["--data.init_args.path", data]
+    if tutorial:
+        args += ["--model.init_args.model_type", "tutorial", "--data.init_args.batch_size", "4"]
     if VARIANTS[name] is None:
         args += ["--checkpoint.every_n_train_steps", "0", "--checkpoint.save_last", "false"]
     elif sharded:
@@ -132,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
         "--data", default=None, help=f"text path or URL (default: ${DATA_ENV}, else the embedded Tiny Shakespeare)"
     )
     parser.add_argument("--sharded", action="store_true", help="FSDP2's sharded checkpoints: DCP, sync vs async_save")
+    parser.add_argument(
+        "--tutorial",
+        action="store_true",
+        help="the tutorial's GPT (8 x 8 x 512, 4 windows a step) in place of gpt-nano",
+    )
     ns = parser.parse_args(argv)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
@@ -142,13 +149,14 @@ def main(argv: list[str] | None = None) -> None:
         names = list(VARIANTS)
         for r in range(ns.rounds):
             for name in names[r % 3 :] + names[: r % 3]:  # each round in another order
-                res = run_variant(name, ns.steps, ns.every, Path(tmp) / f"r{r}", ns.data, ns.sharded)
+                res = run_variant(name, ns.steps, ns.every, Path(tmp) / f"r{r}", ns.data, ns.sharded, ns.tutorial)
                 results[name].append(res)
                 print(f"round {r} {name:>5}: {res}", file=sys.stderr)
         ckpt_size = max((_size(p) for p in Path(tmp).rglob("last.ckpt")), default=0)  # bytes
     base_train = statistics.median(x["train"] for x in results["none"])
     base_blocked = statistics.median(x["blocked"] for x in results["none"])
     kind = "FSDP2, sharded checkpoints (sync: in the loop; async: async_save)" if ns.sharded else "DDP"
+    kind += ", the tutorial's GPT" if ns.tutorial else ""
     print(f"minGPT CPU config, {kind}, 1 process, {ns.steps} steps, checkpoint every {ns.every} steps "
           f"(+ last.ckpt, {ckpt_size / 1e6:.2f} MB each), median of {ns.rounds} rounds, order rotated")  # fmt: skip
     nones = [x["train"] for x in results["none"]]
