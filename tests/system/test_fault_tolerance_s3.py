@@ -78,7 +78,7 @@ def test_s3_run_directory_resumes(s3_env: dict[str, str], tmp_path: Path, runner
     args = [
         *compose("trainer/ddp", "checkpoint/fault_tolerant", "regression/fault_tolerant"),
         "--trainer.devices", "1", "--trainer.strategy", "auto",
-        "--trainer.max_steps", "800", "--trainer.max_epochs", "-1", "--data.num_samples", "288",
+        "--trainer.max_steps", "500", "--trainer.max_epochs", "-1", "--data.num_samples", "288",
         "--checkpoint.every_n_train_steps", "40", *QUIET,
     ]  # fmt: skip
     ref, ref_rec = recorder("ref")
@@ -102,7 +102,7 @@ def test_s3_run_directory_resumes(s3_env: dict[str, str], tmp_path: Path, runner
     assert all(c.startswith("s3://ftbucket/run/checkpoints/") and is_valid_checkpoint(c) for c in candidates)
     newest = find_resume_checkpoint("s3://ftbucket/run")
     step = checkpoint_step(newest)
-    print(f"killed with the checkpoint of step {step} the newest of 800")
+    print(f"killed with the checkpoint of step {step} the newest of 500")
     write_atomic("s3://ftbucket/run/checkpoints/epoch=999-step=99999.ckpt", b"PK\x03\x04 truncated")
     assert find_resume_checkpoint("s3://ftbucket/run") == newest
     import s3fs
@@ -113,7 +113,7 @@ def test_s3_run_directory_resumes(s3_env: dict[str, str], tmp_path: Path, runner
     assert out.returncode == 0, out.stdout[-3000:]
     assert f"Resuming from {newest}" in out.stdout, out.stdout[-3000:]
     [final], [reference] = load_records(rec), load_records(ref_rec)
-    assert final["start_step"] == step > 0 and final["optimizer_steps"] == 800 - step
+    assert final["start_step"] == step > 0 and final["optimizer_steps"] == 500 - step
     for name, tensor in reference["params"].items():
         assert torch.equal(final["params"][name], tensor), name
     files = {p.rsplit("/", 1)[-1] for p in s3fs.S3FileSystem().find("ftbucket/run")}

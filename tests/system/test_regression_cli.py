@@ -139,12 +139,19 @@ def test_multinode_two_agents(tmp_path: Path, runner: Runner, recorder) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rerun_resumes_without_repeating_an_epoch(tmp_path: Path, runner: Runner, seed: int) -> None:
-    """The tutorial's single_gpu.py run (20 epochs of 56 steps, a checkpoint every epoch), SIGKILLed by
+    """The tutorial's single_gpu.py run (10 epochs of 56 steps, a checkpoint every epoch), SIGKILLed by
     ``lit-ddp chaos`` once at a moment drawn from the seed and run again with the same command (no resume flag, as
     a user would): it resumes from an epoch checkpoint, ends bit-identical to the uninterrupted run, and leaves
     one continuous TensorBoard log with one val/loss point per epoch, none repeated."""
-    epochs, per_epoch = 20, 56
-    fit = [*compose("regression/single_device"), "--checkpoint.every_n_epochs", "1", *QUIET]
+    epochs, per_epoch = 10, 56
+    fit = [
+        *compose("regression/single_device"),
+        "--trainer.max_epochs",
+        str(epochs),
+        "--checkpoint.every_n_epochs",
+        "1",
+        *QUIET,
+    ]
     root = tmp_path / "c"
     cmd = lit_ddp("chaos", "--faults", "1", "--kinds", "kill", "--seed", str(seed), "--root", str(root), "--", *fit)
     result = runner.run(cmd, timeout=240)
