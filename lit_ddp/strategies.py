@@ -145,7 +145,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                     shard(child, mesh["data_parallel"], self.units, param_dtype=dtype, by_columns=strided)
         super().setup(trainer)  # then the optimizers, over the shards
         if self.async_save and self._checkpoint_group is None:  # every rank, in step: a collective
-            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=compat.strategy_timeout(self))
         for optimizer in self.optimizers:  # torch's distributed state dict, which saves them, reads these keys
             if not {"state", "param_groups"} <= optimizer.state_dict().keys():
                 raise ValueError(
