@@ -8,7 +8,7 @@
    as the gradients, unless ``gradient_as_bucket_view``) and the one block FSDP2 holds gathered while it
    computes.
 2. **Step time**: ``lit-ddp fit`` with ``configs/trainer/fsdp.yaml`` over the same with ``ddp.yaml`` (the main
-   job's model and data with AdamW, ``configs/mingpt/fsdp.yaml``; validation and sampling off), 2 processes,
+   job's model and data with AdamW (``--model.init_args.optimizer adamw``); validation and sampling off), 2 processes,
    the two running in turns (:mod:`bench.turns`: this machine's speed drifts more than the effect), for
    gpt-nano and for the tutorial's size (batch 4 per process here, to keep a step near a second).
 
@@ -135,11 +135,10 @@ def measure_memory(strategy: str, world_size: int) -> dict[str, int]:
 def fit_command(strategy: str, steps: int, warmup: int, json_path: Path, root: Path, extra: list[str]) -> list[str]:
     """``lit-ddp fit`` of the main job with AdamW under ``strategy``, validation and sampling off, a StepTimer."""
     configs = [REPO / f"configs/trainer/{strategy}.yaml", REPO / "configs/mingpt/cpu.yaml"]
-    configs.append(REPO / "configs/mingpt/fsdp.yaml")
     return [
         sys.executable, "-m", "lit_ddp", "fit",
         *(arg for path in configs for arg in ("--config", str(path.relative_to(REPO)))),
-        "--trainer.max_steps", str(steps),
+        "--model.init_args.optimizer", "adamw", "--trainer.max_steps", str(steps),
         "--trainer.val_check_interval", "100000",
         "--trainer.check_val_every_n_epoch", "null",
         f"--trainer.callbacks={json.dumps(job_callbacks(configs))}",  # without the text samples

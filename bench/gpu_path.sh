@@ -51,7 +51,7 @@ step chaos_ddp 400 $py -m lit_ddp chaos --launcher single --faults 2 --kinds kil
     --config configs/trainer/gpu.yaml --trainer.max_steps "$steps" "$@" &
 step chaos_fsdp2 400 $py -m lit_ddp chaos --launcher single --faults 2 --kinds kill term --seed "$seed" \
     --root "$out/fsdp2" --timeout 380 -- --config configs/trainer/fsdp.yaml "${tutorial[@]}" \
-    --config configs/mingpt/fsdp.yaml --config configs/trainer/gpu.yaml --trainer.max_steps "$steps" "$@" &
+    --config configs/trainer/gpu.yaml --trainer.max_steps "$steps" "$@" &
 wait
 step generate 45 $py -m lit_ddp generate --ckpt_path "$out/fsdp2/faulted/checkpoints/last.ckpt" --max_new_tokens 200
 # The tutorial as its README row runs it (3 of its 10 epochs by default, a checkpoint every 3) alone on the GPUs:

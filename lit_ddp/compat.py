@@ -10,11 +10,13 @@ for this reason. Nothing else in the package touches another object's ``_private
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, cast
 
 import torch.distributed as dist
+from lightning.fabric.strategies import model_parallel as lightning_model_parallel
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.utilities.cloud_io import _is_object_storage
 from lightning.fabric.utilities.data import _set_sampler_epoch
@@ -317,15 +319,37 @@ def threads_like_rank_zero(num_processes: int) -> None:
     this machine's CPUs over ``num_processes`` (Lightning's private ``_set_num_threads_if_needed``).
 
     A Lightning bug, not reported upstream yet (no issue found, 2026-11-26): ``ModelParallelStrategy`` sets up its
-    launcher only in the process the user started (``_configure_launcher`` skips it where the cluster environment
-    ``creates_processes_externally``, as in the processes that launcher started), and the launcher is what sets
-    the threads, so rank zero computes with CPUs / processes threads and the other ranks with every CPU.
-    ``DDPStrategy`` configures its launcher in every process. On CPU the ranks' kernels then reduce in different
-    orders: under tensor parallelism the parameters every rank holds whole (embeddings, norms, biases) drift
-    apart by float rounding, and a sharded checkpoint, which keeps one rank's copy, resumed off the uninterrupted
-    run. Where the launcher set ``OMP_NUM_THREADS`` (torchrun, ``slurm/*.sbatch``) nothing changes; a bare
-    ``srun`` gets what DDP gets there (Lightning's launcher runs in every DDP process)."""
+    launcher, which sets the threads, only in the process the user started (``_configure_launcher`` skips it where
+    the environment ``creates_processes_externally``), so rank zero computes with CPUs / processes threads and the
+    others with every CPU (``DDPStrategy`` configures its launcher in every process). The ranks' kernels then
+    reduce in different orders: under tensor parallelism the parameters every rank holds whole drift apart, and a
+    sharded checkpoint, which keeps one rank's copy, resumed off the uninterrupted run. Where the launcher set
+    ``OMP_NUM_THREADS`` (torchrun, ``slurm/*.sbatch``) nothing changes."""
     _set_num_threads_if_needed(num_processes=num_processes)
+
+
+@contextmanager
+def optimizer_states_numbered_by_their_groups(model: Any, optimizers: list[Any]) -> Iterator[None]:
+    """While it lasts, ``ModelParallelStrategy`` reads a single-file checkpoint's numbered optimizer states (DDP's)
+    in the order of ``optimizers``' groups, as torch numbers them. A bug: Lightning's private
+    ``_rekey_optimizer_state_if_needed`` numbers ``model.parameters()`` (``FSDP.rekey_optim_state_dict``,
+    pytorch#113673): groups in another order (decay / no-decay, Muon + AdamW) get other parameters' state."""
+    names = {param: name for name, param in model.named_parameters()}
+    pending, original = list(optimizers), lightning_model_parallel._rekey_optimizer_state_if_needed
+
+    def rekey(optimizer_state_dict: dict[str, Any], module: Any) -> dict[str, Any]:
+        order = [names[p] for group in pending.pop(0).param_groups for p in group["params"]]
+        state, groups = optimizer_state_dict["state"], optimizer_state_dict["param_groups"]
+        if not all(isinstance(i, int) for i in state):
+            return optimizer_state_dict  # named already (FSDP2's own single-file checkpoints)
+        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in groups]
+        return {"state": {order[i]: s for i, s in state.items()}, "param_groups": groups}
+
+    lightning_model_parallel._rekey_optimizer_state_if_needed = rekey
+    try:
+        yield
+    finally:
+        lightning_model_parallel._rekey_optimizer_state_if_needed = original
 
 
 def dcp_storage_extents(metadata: Any) -> dict[str, int]:
@@ -358,8 +382,7 @@ def set_process_group_timeout(timeout: timedelta) -> None:
 
 
 def exit_now(code: int) -> None:
-    """Ends the process at once (``os._exit``), without the interpreter's cleanup, which would wait on a dead
-    peer's collectives or join gloo's threads."""
+    """Ends the process at once (``os._exit``), without cleanup that would wait on a dead peer's collectives."""
     os._exit(code)
 
 

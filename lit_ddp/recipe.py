@@ -51,12 +51,10 @@ class OptimizerChain(torch.optim.Optimizer):
 
     Our own because Lightning's automatic optimization takes one optimizer and ``torch.optim.Muon`` only takes
     matrices; torch has no combined optimizer (torchtitan's ``OptimizersContainer`` is no ``Optimizer``, which
-    Lightning and the LR schedulers require). ``param_groups`` are the optimizers' own group dicts, so a
-    scheduler drives all of them; ``state`` is the union of their states; ``state_dict`` holds one entry per
-    optimizer. Step hooks run around the whole chained step.
-
-    Raises:
-        ValueError: no optimizer, or a parameter in two of them.
+    Lightning and the LR schedulers require). ``param_groups`` are the optimizers' own group dicts, so a scheduler
+    drives all of them; ``state`` is the union of their states; ``state_dict`` is torch's format over all of them,
+    which torch's distributed state dict (FSDP2's) maps to parameter names. Step hooks run around the whole step.
+    Raises ValueError for no optimizer, a parameter in two of them, or a state of other parameter groups to load.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -79,23 +77,28 @@ class OptimizerChain(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         for opt in self.optimizers:
             opt.step()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+        return torch.optim.Optimizer.state_dict(self)  # torch's format, over the optimizers' groups and state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("optimizers")
-        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+        saved = state_dict.get("optimizers")  # one state_dict per optimizer: this chain's format until 2026-11-26
+        if saved is None:  # torch's: each optimizer its own groups, and their parameters' state
+            groups, saved = list(state_dict["param_groups"]), []
+            for opt in self.optimizers:
+                own, groups = groups[: len(opt.param_groups)], groups[len(opt.param_groups) :]
+                ids = {i for group in own for i in group["params"]}
+                saved.append({"state": {i: s for i, s in state_dict["state"].items() if i in ids}, "param_groups": own})
+            saved[-1]["param_groups"] += groups  # none left, or another chain's
+        names = [[g.get("name") for g in sd["param_groups"]] for sd in saved]
+        if names != (mine := [[g.get("name") for g in opt.param_groups] for opt in self.optimizers]):
             raise ValueError(
-                f"the saved optimizer state holds {len(saved) if isinstance(saved, list) else 'no'} optimizers, "
-                f"this chain has {len(self.optimizers)}: resume with the same model.optimizer"
+                f"saved optimizer groups {names}, this chain's {mine}: resume with the same model.optimizer"
             )
         for opt, sd in zip(self.optimizers, saved, strict=True):
             opt.load_state_dict(sd)
@@ -135,12 +138,8 @@ def build_optimizer(
         {**g, "params": [p for p in g["params"] if id(p) in keep], "name": f"adamw_{kind}"}
         for g, kind in zip(groups, ("decay", "no_decay"), strict=True)
     ]
-    muon = torch.optim.Muon(
-        [{"params": hidden, "name": "muon"}],
-        lr=muon_learning_rate,
-        momentum=muon_momentum,
-        weight_decay=muon_weight_decay,
-    )
+    group = {"params": hidden, "name": "muon"}
+    muon = torch.optim.Muon([group], lr=muon_learning_rate, momentum=muon_momentum, weight_decay=muon_weight_decay)
     adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=betas)
     return OptimizerChain([muon, adamw])
 

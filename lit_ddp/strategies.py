@@ -78,8 +78,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         ValueError: ``tensor_parallel_size`` < 1, or > 1 without a plan; ``async_save`` without
             ``save_distributed_checkpoint``; a unit that is not a module class, a plan
             that is not a function; at set-up, a world size that ``tensor_parallel_size`` does not divide, a
-            LightningModule with ``compile=True`` (a compiled forward would skip the hooks that gather the shards),
-            or an optimizer whose ``state_dict`` lacks torch's ``state`` / ``param_groups`` (Muon + AdamW).
+            LightningModule with ``compile=True`` (a compiled forward would skip the hooks that gather the shards).
     """
 
     def __init__(
@@ -146,12 +145,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup(trainer)  # then the optimizers, over the shards
         if self.async_save and self._checkpoint_group is None:  # every rank, in step: a collective
             self._checkpoint_group = dist.new_group(backend="gloo", timeout=compat.strategy_timeout(self))
-        for optimizer in self.optimizers:  # torch's distributed state dict, which saves them, reads these keys
-            if not {"state", "param_groups"} <= optimizer.state_dict().keys():
-                raise ValueError(
-                    f"{type(optimizer).__name__} (optimizer 'muon': Muon + AdamW) has no state_dict that FSDP2 "
-                    "checkpoints can hold yet: give optimizer adamw"
-                )
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         """The precision plugin's ``clip_grad_by_norm`` under tensor parallelism (Lightning's calls torch's)."""
@@ -210,7 +203,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().teardown()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's load; a sharded checkpoint of a model with strided parameters (tensor parallelism's q, k, v
+        """Lightning's load (a single-file checkpoint's optimizer state numbered as torch numbers it, not as
+        Lightning reads it: :func:`lit_ddp.compat.optimizer_states_numbered_by_their_groups`); a sharded checkpoint of a model with strided parameters (tensor parallelism's q, k, v
         rows) is read as Lightning reads one, through contiguous rows (as :meth:`save_checkpoint` wrote them), which
         then go back to the strided layout.
 
@@ -222,8 +216,11 @@ class FSDP2Strategy(ModelParallelStrategy):
                 uninterrupted run's). No upstream issue found yet; ``tests/system/test_fsdp.py`` shows it.
         """
         model = self.model
-        if model is None or not any(_strided(p) for p in model.parameters()):
+        if model is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
+        if not any(_strided(p) for p in model.parameters()):  # a DDP checkpoint's optimizer numbers its parameters
+            with compat.optimizer_states_numbered_by_their_groups(model, self.optimizers):
+                return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         if not sharded.is_sharded(path):
             raise ValueError(

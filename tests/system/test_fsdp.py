@@ -26,12 +26,12 @@ from tests.helpers import QUIET, Runner, compose, lit_ddp, torchrun
 from tests.system.test_chaos import fault_table, survives_usr1_and_a_lost_node
 
 
-def mingpt(strategy: str, steps: int, text: Path) -> list[str]:
-    """minGPT on a tiny text with AdamW under ``configs/trainer/<strategy>.yaml``, validating every 5 steps and
-    saving a step checkpoint every 10."""
+def mingpt(strategy: str, steps: int, text: Path, optimizer: str = "adamw") -> list[str]:
+    """minGPT on a tiny text under ``configs/trainer/<strategy>.yaml`` (AdamW, or cpu.yaml's Muon + AdamW),
+    validating every 5 steps and saving a step checkpoint every 10."""
     return [
-        *compose(f"trainer/{strategy}", "mingpt/cpu", "mingpt/fsdp", "checkpoint/fault_tolerant", "mingpt/fault_tolerant"),
-        "--data.path", str(text), "--data.block_size", "16", "--data.batch_size", "8",
+        *compose(f"trainer/{strategy}", "mingpt/cpu", "checkpoint/fault_tolerant", "mingpt/fault_tolerant"),
+        "--model.optimizer", optimizer, "--data.path", str(text), "--data.block_size", "16", "--data.batch_size", "8",
         "--model.warmup_steps", "2", "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "5",
         "--trainer.limit_val_batches", "2", "--checkpoint.every_n_train_steps", "10",
         "--trainer.log_every_n_steps", "1", *QUIET,
@@ -51,7 +51,7 @@ def test_fsdp2_trains_what_ddp_trains(tmp_path: Path, runner: Runner) -> None:
     runs = {}
     for strategy in ("ddp", "fsdp"):
         root = tmp_path / strategy
-        args = [*compose(f"trainer/{strategy}", "mingpt/cpu", "mingpt/fsdp"), "--model.learning_rate", "3e-4",
+        args = [*compose(f"trainer/{strategy}", "mingpt/cpu"), "--model.optimizer", "adamw", "--model.learning_rate", "3e-4",
                 "--trainer.max_steps", "200", "--trainer.val_check_interval", "100", "--trainer.limit_val_batches", "4",
                 "--trainer.log_every_n_steps", "10", "--trainer.default_root_dir", str(root), *QUIET]  # fmt: skip
         result = runner.run(lit_ddp("fit", *args), timeout=300)
@@ -97,26 +97,27 @@ def worst_drift(a: dict, b: dict) -> float:
 def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(
     tmp_path: Path, runner: Runner, tiny_text: Path
 ) -> None:
-    """Sharded checkpoints (configs/trainer/fsdp.yaml) of 2 processes resume on 1, and of 1 on 2, by an explicit
-    --ckpt_path into a new run directory: DCP reshards the parameters and AdamW's state, the sampler continues the
-    global order (global batch 16 either way; no dropout), and the 40 steps end with the parameters of the run that
-    was not interrupted, to float rounding (1e-5, relative, per tensor). Then ``lit-ddp generate`` samples from the
-    resumed run's sharded last.ckpt."""
+    """Sharded checkpoints (configs/trainer/fsdp.yaml) of 2 processes resume on 1, and of 1 on 2, and a DDP run's
+    single-file checkpoint under FSDP2 on 2 (its optimizer state numbered, not named:
+    compat.optimizer_states_numbered_by_their_groups), by an explicit --ckpt_path into a new run directory: DCP
+    reshards the parameters and AdamW's state, the sampler continues the global order (global batch 16 each time;
+    no dropout), and the 40 steps end with the parameters of the run that was not interrupted, to float rounding
+    (1e-5, relative, per tensor). Then ``lit-ddp generate`` samples from the resumed run's sharded last.ckpt."""
 
-    def fit(root: Path, devices: int, *extra: str) -> str:  # a global batch of 16
-        return fit_40(runner, tiny_text, root, "fsdp", devices, 16 // devices, *extra)
+    def fit(root: Path, strategy: str, devices: int, *extra: str) -> str:  # a global batch of 16
+        return fit_40(runner, tiny_text, root, strategy, devices, 16 // devices, *extra)
 
-    for first, then in ((2, 1), (1, 2)):
-        whole, resumed = tmp_path / f"whole_on_{first}", tmp_path / f"{first}_then_{then}"
-        fit(whole, first)
+    for first, (strategy, then) in ((2, ("ddp", 2)), (2, ("fsdp", 1)), (1, ("fsdp", 2))):
+        whole, resumed = tmp_path / f"{strategy}_whole_on_{first}", tmp_path / f"{strategy}_{first}_then_{then}"
+        fit(whole, strategy, first)
         middle = next(p for step, p in ranked_checkpoints(str(whole)) if 15 < step < 25)  # step 21: validation at 20
-        assert Path(middle).is_dir() and (Path(middle) / sharded.META).is_file(), middle
-        assert f"at global_step {checkpoint_step(middle)}," in fit(resumed, then, "--ckpt_path", middle)
+        assert Path(middle).is_dir() == (strategy == "fsdp"), middle
+        assert f"at global_step {checkpoint_step(middle)}," in fit(resumed, "fsdp", then, "--ckpt_path", middle)
         a, b = final(whole), final(resumed)
         assert (a["global_step"], b["global_step"]) == (40, 40)
         worst = worst_drift(a["state_dict"], b["state_dict"])
-        print(f"{first} -> {then} processes: parameters within {worst:.1e} (relative, in norm) of the whole run's")
-        assert worst <= 1e-5, f"{first} -> {then}: {worst:.1e}"
+        print(f"{strategy} on {first} -> FSDP2 on {then}: parameters within {worst:.1e} (relative) of the whole run's")
+        assert worst <= 1e-5, f"{strategy} {first} -> {then}: {worst:.1e}"
     last = resumed / "checkpoints" / "last.ckpt"
     result = runner.run(
         lit_ddp("generate", "--ckpt_path", str(last), "--prompt", "ROMEO:", "--max_new_tokens", "40"), timeout=120
@@ -162,11 +163,11 @@ def test_a_tensor_parallel_checkpoint_resumes_under_tensor_parallelism_and_fsdp2
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_chaos_under_torchrun_finds_fsdp2_exact(tmp_path: Path, runner: Runner, seed: int, tiny_text: Path) -> None:
-    """FSDP2 under torchrun, its sharded checkpoints written in the background (``async_save``): a worker SIGKILLed
-    and a checkpoint's writer SIGKILLed mid-write, at moments drawn from the seed; the weights, optimizer and
-    scheduler states and every TensorBoard scalar end bit-identical. (Synchronous sharded saves go through chaos
+    """FSDP2 under torchrun with cpu.yaml's Muon + AdamW, its sharded checkpoints written in the background
+    (``async_save``): a worker SIGKILLed and a checkpoint's writer SIGKILLed mid-write, at moments drawn from the
+    seed; the weights, optimizer and scheduler states and every TensorBoard scalar end bit-identical. (Synchronous sharded saves go through chaos
     under Slurm, below.)"""
-    fit = [*mingpt("fsdp", 60, tiny_text), "--trainer.strategy.init_args.async_save", "true"]
+    fit = [*mingpt("fsdp", 60, tiny_text, "muon"), "--trainer.strategy.init_args.async_save", "true"]
     cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "2", "--kinds", "kill",
                   "save", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit)  # fmt: skip
     result = runner.run(cmd, timeout=360)
@@ -182,9 +183,9 @@ def test_chaos_under_slurm_finds_fsdp2_exact_on_two_nodes(
     tmp_path: Path, runner: Runner, seed: int, tiny_text: Path
 ) -> None:
     """slurm/train.sbatch with the FSDP2 fragment on the two-node local cluster, one task per node, sharded
-    checkpoints: the job's USR1 preemption warning (saved, requeued by the script) and a SIGKILL of one node's task
+    checkpoints, cpu.yaml's Muon + AdamW: the job's USR1 preemption warning (saved, requeued by the script) and a SIGKILL of one node's task
     (the job fails; the tool submits it again), in an order drawn from the seed: bit-identical, exit 0."""
-    fit = mingpt("fsdp", 60, tiny_text)  # train.sbatch takes the step config first, composes the rest after it
+    fit = mingpt("fsdp", 60, tiny_text, "muon")  # train.sbatch takes the step config first, composes the rest after it
     step_config = fit.index(compose("mingpt/cpu")[1])
     fit = ["--config", *fit[step_config : step_config + 1], *fit[: step_config - 1], *fit[step_config + 1 :]]
     survives_usr1_and_a_lost_node(fit, tmp_path, runner, seed)
@@ -211,7 +212,8 @@ def test_tensor_parallel_trains_what_one_process_trains(
     for name, trainer, n, batch in (("one", "ddp", 1, 32 * data_parallel), ("tp", "tp", devices, 32)):
         root = tmp_path / name
         args = [*compose(f"trainer/{trainer}", "mingpt/cpu", "mingpt/tp"), "--trainer.devices", str(n),
-                "--data.batch_size", str(batch), "--model.learning_rate", "3e-4", "--trainer.max_steps", str(steps),
+                "--data.batch_size", str(batch), "--model.optimizer", "adamw", "--model.learning_rate", "3e-4",
+                "--trainer.max_steps", str(steps),
                 "--trainer.val_check_interval", str(steps // 2), "--trainer.limit_val_batches", "4",
                 "--trainer.log_every_n_steps", "10", "--trainer.default_root_dir", str(root), *QUIET]  # fmt: skip
         # 4 processes: torchrun's (lit-ddp refuses to start more CPU processes than this machine's 2 cores itself)

@@ -315,3 +315,43 @@ def test_threads_like_rank_zero(monkeypatch) -> None:
         assert torch.get_num_threads() == 5, "a set OMP_NUM_THREADS is the user's (or torchrun's): left alone"
     finally:
         torch.set_num_threads(before)
+
+
+def _numbered_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+    """A model and an AdamW whose groups list the parameters in another order than ``model.parameters()`` (as
+    minGPT's decay / no-decay groups do), and its state_dict after a step (parameters numbered in group order)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    first, second = model[0], model[1]
+    optimizer = torch.optim.AdamW([{"params": [second.weight, first.weight]}, {"params": [first.bias, second.bias]}])
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    return model, optimizer, optimizer.state_dict()
+
+
+def test_lightning_names_a_numbered_optimizer_state_in_the_models_order() -> None:
+    """The bug :func:`compat.optimizer_states_numbered_by_their_groups` works around: Lightning's rekey of a
+    single-file checkpoint's optimizer state gives index 0 (``1.weight``'s state, (1, 3)) the name ``0.weight``."""
+    from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+
+    model, _, state = _numbered_state()
+    named = _rekey_optimizer_state_if_needed(state, model)
+    assert named["state"]["0.weight"]["exp_avg"].shape == (1, 3)  # another parameter's moment
+    assert set(named["param_groups"][0]["params"]) == {"0.weight", "0.bias"}  # not 1.weight and 0.weight
+
+
+def test_optimizer_states_numbered_by_their_groups() -> None:
+    """Inside the context, Lightning's rekey names each index after the optimizer's own parameter of that index;
+    a state named already passes unchanged; on leaving, Lightning's own function is back."""
+    from lightning.fabric.strategies import model_parallel
+
+    model, optimizer, state = _numbered_state()
+    lightning_rekey = model_parallel._rekey_optimizer_state_if_needed
+    with compat.optimizer_states_numbered_by_their_groups(model, [optimizer, optimizer]):
+        named = model_parallel._rekey_optimizer_state_if_needed(state, model)
+        assert model_parallel._rekey_optimizer_state_if_needed(named, model) is named
+    assert model_parallel._rekey_optimizer_state_if_needed is lightning_rekey
+    assert {name: s["exp_avg"].shape for name, s in named["state"].items()} == {
+        "1.weight": (1, 3), "0.weight": (3, 2), "0.bias": (3,), "1.bias": (1,),
+    }  # fmt: skip
+    assert [g["params"] for g in named["param_groups"]] == [["1.weight", "0.weight"], ["0.bias", "1.bias"]]
+    assert named["param_groups"][0]["lr"] == state["param_groups"][0]["lr"]

@@ -218,15 +218,50 @@ def test_state_round_trip_resumes_exactly() -> None:
     assert [id(g) for g in opt2.param_groups] == [id(g) for o in opt2.optimizers for g in o.param_groups]
 
 
+def test_chain_state_dict_is_torchs_format_and_loads_the_old_one() -> None:
+    """state_dict is torch's (parameter indices over all the groups in order, which torch's distributed state dict
+    maps to names); a checkpoint of the format before it (one state_dict per optimizer) still loads."""
+    m = module()
+    conf = m.configure_optimizers()
+    opt = conf["optimizer"]
+    train(m, opt, conf["lr_scheduler"]["scheduler"], 2)
+    sd = opt.state_dict()
+    assert sd.keys() == {"state", "param_groups"}
+    indices = [i for group in sd["param_groups"] for i in group["params"]]
+    assert indices == list(range(len(indices))) and sorted(sd["state"]) == indices
+    assert [g["name"] for g in sd["param_groups"]] == ["muon", "adamw_decay", "adamw_no_decay"]
+    old_format = copy.deepcopy({"optimizers": [o.state_dict() for o in opt.optimizers]})
+    for saved in (copy.deepcopy(sd), old_format):
+        fresh = module().configure_optimizers()["optimizer"]
+        fresh.load_state_dict(saved)
+        assert torch.equal(
+            torch.cat([s["exp_avg"].flatten() for s in fresh.optimizers[1].state.values()]),
+            torch.cat([s["exp_avg"].flatten() for s in opt.optimizers[1].state.values()]),
+        )
+        assert torch.equal(
+            torch.cat([s["momentum_buffer"].flatten() for s in fresh.optimizers[0].state.values()]),
+            torch.cat([s["momentum_buffer"].flatten() for s in opt.optimizers[0].state.values()]),
+        )
+
+
 def test_errors_name_the_problem() -> None:
     p = torch.nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="in two optimizers"):
         OptimizerChain([torch.optim.SGD([p], lr=1.0), torch.optim.SGD([p], lr=1.0)])
     with pytest.raises(ValueError, match="at least one optimizer"):
         OptimizerChain([])
-    chain = OptimizerChain([torch.optim.SGD([p], lr=1.0)])
-    with pytest.raises(ValueError, match="resume with the same model.optimizer"):
+    q = torch.nn.Parameter(torch.zeros(2))
+    chain = OptimizerChain([torch.optim.SGD([p], lr=1.0), torch.optim.SGD([q], lr=1.0)])
+    with pytest.raises(
+        ValueError, match=r"groups \[\[None\], \[\]\], this chain's \[\[None\], \[None\]\]: resume with"
+    ):
         chain.load_state_dict(torch.optim.SGD([p], lr=1.0).state_dict())
+    model = GPT(GPTConfig(vocab_size=11, block_size=8))
+    adamw = build_optimizer(model, "adamw")  # a checkpoint of model.optimizer adamw, resumed with muon
+    with pytest.raises(
+        ValueError, match=r"groups \[\[None\], \[None\]\], this chain's \[\['muon'\], \['adamw_decay', 'adamw_no_"
+    ):
+        build_optimizer(model, "muon").load_state_dict(adamw.state_dict())
     with pytest.raises(ValueError, match="optimizer='lion'"):
         GPTModule(optimizer="lion")
 
