@@ -203,10 +203,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().teardown()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's load (a single-file checkpoint's optimizer state numbered as torch numbers it, not as
-        Lightning reads it: :func:`lit_ddp.compat.optimizer_states_numbered_by_their_groups`); a sharded checkpoint of a model with strided parameters (tensor parallelism's q, k, v
-        rows) is read as Lightning reads one, through contiguous rows (as :meth:`save_checkpoint` wrote them), which
-        then go back to the strided layout.
+        """Lightning's load, a single-file checkpoint's optimizer state (DDP's) read in the optimizer's order
+        (:func:`lit_ddp.compat.optimizer_states_numbered_by_their_groups`). A sharded checkpoint of a model with
+        strided parameters (tensor parallelism's q, k, v rows) is read as Lightning reads one, through contiguous
+        rows (as :meth:`save_checkpoint` wrote them), which then go back to the strided layout.
 
         Raises:
             ValueError: a single-file (full-state) checkpoint for a model with strided parameters: Lightning loads
