@@ -1,17 +1,23 @@
 """``lit-ddp chaos`` (issue 23): faults from outside at moments drawn from a seed, and the
 verdict of a bit-for-bit comparison with an uninterrupted run; it also catches a run that does not resume
-exactly. The project's torchrun restart tests go through it (the regression with every kind, minGPT with kills
-of a worker and of a checkpoint's writer). Its bad uses: ``tests/unit/launch/test_chaos.py``."""
+exactly. The project's torchrun and Slurm restart tests go through it: here the regression with every kind, two
+agents and Slurm preemptions; minGPT (Muon + AdamW) with kills of a worker and of a checkpoint's writer under
+FSDP2, and with USR1 and a lost node on two Slurm nodes, in ``tests/system/test_fsdp.py``; random SIGKILLs of
+a minGPT worker under DDP per checkpoint trigger in ``tests/system/test_checkpoint_triggers.py``. Its bad uses:
+``tests/unit/launch/test_chaos.py``."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.callbacks import NudgeOnResume
-from tests.helpers import Runner, callback, compose, lit_ddp, write_callbacks_config
-from tests.system.test_fault_tolerance import mingpt_args
+from tests.helpers import Runner, callback, compose, lit_ddp, noise_lines, write_callbacks_config
 
 # 80 epochs of 28 steps on 2 processes (about 20 s here), a checkpoint every 50 steps.
 REGRESSION = [
@@ -35,8 +41,10 @@ def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner
     """Six faults, one of each kind torchrun takes, in an order and at moments drawn from the seed: a worker
     SIGKILLed, the job SIGTERMed (relaunched), a worker frozen (the collective timeout, 20 s, then torchrun's
     30 s), the agent and its workers SIGKILLed at once (relaunched), the writer of a checkpoint SIGKILLed the
-    moment its temporary file appears, a worker SIGKILLed while a validation runs. The tool exits 0 with a line per fault, each naming the step the job
-    resumed from, no earlier than the checkpoint before the fault, and the verdict."""
+    moment its temporary file appears, a worker SIGKILLed while a validation runs. The tool exits 0 with a line
+    per fault, each naming the step the job resumed from, no earlier than the checkpoint before the fault, and
+    the verdict; the SIGTERMed job stopped at a step boundary and its relaunch resumed from that save, with no
+    other library's hints in the log."""
     cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "6", "--kinds", "kill",
                   "term", "hang", "node", "save", "validation", "--seed", str(seed), "--root", str(tmp_path), "--",
                   *REGRESSION)  # fmt: skip
@@ -52,6 +60,11 @@ def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner
         assert resumed >= before and hit >= before and redone == max(0, hit - resumed), row
         assert row[1] == "term" or float(row[-1]) > 0, row  # a preemption may save past the step it hit
     assert "the faults cost" in result.stdout
+    # the SIGTERMed job: saved at a step boundary, failed, and its relaunch resumed from that preemption save
+    log = (tmp_path / "faulted.log").read_text()
+    assert "stopped by SIGTERM at a step boundary" in log, log[-5000:]
+    assert re.search(r"Resuming from \S*hpc_ckpt_\d+\.ckpt", log), log[-5000:]
+    assert not noise_lines(log), noise_lines(log)
 
 
 @pytest.mark.slow
@@ -74,22 +87,6 @@ def test_chaos_with_two_torchrun_agents_survives_a_lost_node(tmp_path: Path, run
     assert "restart 2 of this job" in log and log.count("Starting with 2 processes") == 3, log[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(400)
-def test_chaos_under_torchrun_finds_mingpt_exact(tmp_path: Path, runner: Runner, seed: int, tiny_text: Path) -> None:
-    """minGPT (AdamW + Muon, warmup and cosine, dropout, validation every 5 steps, the throughput monitor) on a tiny
-    text under torchrun: a worker SIGKILLed and a checkpoint's writer SIGKILLed mid-write, at moments drawn from
-    the seed; the weights, optimizer and scheduler states and every TensorBoard scalar end bit-identical."""
-    fit = mingpt_args(60, 5, tiny_text)
-    cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "2", "--kinds", "kill",
-                  "save", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit)  # fmt: skip
-    result = runner.run(cmd, timeout=360)
-    assert result.returncode == 0, result.stdout[-6000:] + (tmp_path / "c" / "faulted.log").read_text()[-6000:]
-    assert sorted(row[1] for row in fault_table(result.stdout)) == ["kill", "save"], result.stdout[-3000:]
-    assert "identical: the faulted run ends bit for bit" in result.stdout
-
-
 def survives_usr1_and_a_lost_node(fit: list[str], root: Path, runner: Runner, seed: int) -> str:
     """``lit-ddp chaos --launcher slurm`` of ``fit`` (slurm/train.sbatch's step config first) on the two-node local
     cluster, one task per node, with a USR1 warning and a lost node in an order drawn from ``seed``; asserts it
@@ -107,18 +104,50 @@ def survives_usr1_and_a_lost_node(fit: list[str], root: Path, runner: Runner, se
     return outputs
 
 
+def unkind_cluster(tmp: Path) -> dict[str, str]:
+    """The environment of jobs on a cluster less kind than the local one: a controller that takes 5 s to answer
+    ``scontrol`` inside a job (first on the batch script's PATH; chaos's own calls, outside any job, stay quick),
+    and steps that run as in a container without Slurm's tools (``LIT_DDP_PYTHON``: this Python with the venv
+    alone on PATH, no ``scontrol``)."""
+    slow = tmp / "slow_controller"
+    slow.mkdir(parents=True)
+    (slow / "scontrol").write_text(
+        f'#!/bin/sh\n[ -n "$SLURM_JOB_ID" ] && sleep 5\nexec {shutil.which("scontrol")} "$@"\n'
+    )
+    container = tmp / "container_python"
+    container.write_text(f'#!/bin/sh\nPATH={Path(sys.executable).parent} exec {sys.executable} "$@"\n')
+    for script in (slow / "scontrol", container):
+        script.chmod(0o755)
+    return {"PATH": f"{slow}{os.pathsep}{os.environ['PATH']}", "LIT_DDP_PYTHON": str(container)}
+
+
 @pytest.mark.slurm
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_chaos_under_slurm_finds_the_run_exact(tmp_path: Path, runner: Runner, seed: int) -> None:
-    """``--launcher slurm`` on the two-node local cluster, one task per node, through slurm/train.sbatch: the
-    job's USR1 warning (saved, requeued by the script) and a SIGKILL of one node's task (the job fails; the tool
-    submits it again, as an operator would), in an order drawn from the seed: bit-identical, exit 0."""
+def test_chaos_under_slurm_survives_preemptions_on_an_unkind_cluster(tmp_path: Path, runner: Runner, seed: int) -> None:
+    """``--launcher slurm`` through slurm/train.sbatch, the regression as 1 node x 2 tasks, preempted three times
+    (``scancel --signal=USR1`` at moments drawn from the seed: mid-step, mid-save or mid-validation) on a cluster
+    whose controller takes 5 s to answer and whose steps have no ``scontrol`` (:func:`unkind_cluster`). Each
+    time both tasks save at an agreed step, the batch script (never a step) requeues the job, and the rerun
+    resumes; the job ends bit-identical to the uninterrupted one, with one preemption checkpoint left (each
+    removing the one before). Two nodes, a lost node and FSDP2: ``tests/system/test_fsdp.py``."""
+    from tests.system.helpers_slurm import require_cluster, slurm_env
+
+    require_cluster(nodes=1)
     fit = ["--config", "configs/regression/slurm.yaml", *compose("checkpoint/fault_tolerant")]
     fit += ["--trainer.max_epochs", "150", "--trainer.enable_model_summary", "false"]
-    outputs = survives_usr1_and_a_lost_node(fit, tmp_path, runner, seed)
-    # the node's task died by SIGKILL, the job failed and was submitted again
-    assert ": Killed" in outputs and len(list(tmp_path.glob("faulted-*.out"))) == 2, outputs[-4000:]
+    env = {k: v for k, v in slurm_env().items() if k.startswith("LIT_DDP")} | unkind_cluster(tmp_path / "cluster")
+    cmd = lit_ddp("chaos", "--launcher", "slurm", "--nodes", "1", "--nproc_per_node", "2", "--faults", "3",
+                  "--kinds", "usr1", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit)  # fmt: skip
+    result = runner.run(cmd, timeout=540, **env)
+    [log] = [p.read_text() for p in (tmp_path / "c").glob("faulted-*.out")]  # one job, requeued in place
+    assert result.returncode == 0, result.stdout[-4000:] + log[-4000:]
+    assert [row[1] for row in fault_table(result.stdout)] == ["usr1"] * 3, result.stdout[-3000:]
+    assert "identical: the faulted run ends bit for bit" in result.stdout, result.stdout[-3000:]
+    assert log.count("SIGUSR1 received: saving") == 3, log[-5000:]
+    # requeued by the batch script (its scontrol 5 s slow), never by a step (none has scontrol)
+    assert log.count("preempted (SIGUSR1), checkpoint saved: requeueing") == 3, log[-5000:]
+    assert [p.name for p in (tmp_path / "c" / "faulted").glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_3.ckpt"]
 
 
 @pytest.mark.slow

@@ -221,9 +221,10 @@ def strike_one_node(runner: Runner, root: Path, signum: int, after: tuple[float,
 def test_nodes_with_different_process_counts_train_as_one_job(tmp_path: Path, runner: Runner, seed: int) -> None:
     """torchrun with --nproc_per_node 2 on one "node" and 1 on the other (issue 22): one job of world size 3 that
     ends where one process with batch 3 x 32 does (float rounding). Its 1-process node's worker, at a random
-    moment, either SIGKILLed (a crash) or SIGSTOPped (a hung host: the other ranks fail at the 15 s collective
-    timeout; the stopped worker's agent, whose workers never failed, restarts them for the new round without
-    counting a restart): both agents restart the group and the job ends bit-identical to the uninterrupted one."""
+    moment, SIGSTOPped (a hung host: the other ranks fail at the 15 s collective timeout; the stopped worker's
+    agent, whose workers never failed, restarts them for the new round without counting a restart): both agents
+    restart the group and the job ends bit-identical to the uninterrupted one. (A SIGKILLed worker of one of two
+    agents: ``tests/system/test_chaos.py``.)"""
     one = [*HETERO, "--trainer.devices", "1", "--trainer.num_nodes", "1", "--data.init_args.batch_size", "96"]
     single = runner.fit(*one, "--trainer.strategy", "auto", "--trainer.default_root_dir", str(tmp_path / "one"), timeout=200)  # fmt: skip
     assert single.returncode == 0, single.stdout[-3000:]
@@ -236,12 +237,6 @@ def test_nodes_with_different_process_counts_train_as_one_job(tmp_path: Path, ru
     assert step == one_step == 8 * 21
     for name, tensor in ref.items():
         assert torch.allclose(het[name], tensor, rtol=1e-5, atol=1e-7), name
-
-    strike_one_node(runner, tmp_path / "killed", signal.SIGKILL, (0.2, 1.5), seed)
-    killed_step, killed = final_weights(tmp_path / "killed")
-    assert killed_step == step
-    for name, tensor in het.items():
-        assert torch.equal(killed[name], tensor), f"{name} differs from the uninterrupted job"
 
     started = time.monotonic()
     strike_one_node(runner, tmp_path / "hung", signal.SIGSTOP, (0.2, 1.5), seed, *HANG_TIMEOUTS)

@@ -1,6 +1,7 @@
 """Faults at moments nobody chose, on one rank: signals and kills at random times (drawn from the ``seed``
 fixture: ``LIT_DDP_TEST_SEED=N`` replays them), ranks that disagree on the resume point, an exception on one
-rank. Their fast counterparts are unit tests: checkpoints whose file times lie
+rank. A SIGTERM to torchrun's agent is ``lit-ddp chaos``'s ``term`` fault (``tests/system/test_chaos.py``). Their
+fast counterparts are unit tests: checkpoints whose file times lie
 (``tests/unit/resilience/test_resume.py``), the SIGTERM broadcast (``tests/unit/resilience/test_preemption.py``),
 and the bad inputs that used to end in a traceback (``tests/unit/launch/test_preflight.py``,
 ``tests/unit/data/test_sources.py``)."""
@@ -21,8 +22,8 @@ from lightning.pytorch import Callback
 
 from lit_ddp.resilience.resume import checkpoint_step
 from tests import helpers
-from tests.helpers import QUIET, compose, load_records, torchrun
-from tests.system.test_fault_tolerance import assert_same_params, mingpt_args, regression_args
+from tests.helpers import QUIET, compose, torchrun
+from tests.system.test_fault_tolerance import regression_args
 
 STARTED = "Starting with 2 processes"  # Lightning's line once every rank has joined the process group
 
@@ -92,57 +93,6 @@ def torchrun_cmd(*args: str) -> list[str]:
                     "-m", "lit_ddp", "fit", *args)  # fmt: skip
 
 
-def task_args(task: str, text: Path, steps: int) -> list[str]:
-    return regression_args(steps, 10) if task == "regression" else mingpt_args(steps, 10, text)
-
-
-@pytest.fixture
-def text(tmp_path: Path) -> Path:
-    from lit_ddp.data.sources import read_embedded_text
-
-    path = tmp_path / "tiny.txt"
-    path.write_text(read_embedded_text()[:6000])
-    return path
-
-
-# ---- torchrun: a SIGTERM to the agent (random SIGKILLs per checkpoint trigger: test_checkpoint_triggers.py)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-def test_sigterm_to_torchrun_saves_fails_and_resumes_exactly(
-    tmp_path: Path, runner: helpers.Runner, recorder, text: Path, seed: int
-) -> None:
-    """SIGTERM to the torchrun agent mid-run: the workers save at an agreed step boundary (within about two
-    seconds), the job exits with a failure status, and re-running the command resumes from that checkpoint and
-    ends as an uninterrupted run. 2000 regression steps take 10-20 s here, so the signal, 1-3 s after start,
-    lands mid-run (a signal in a run's last seconds lets it finish instead)."""
-    args = task_args("regression", text, 2000)
-    ref_cb, ref_rec = recorder("ref")
-    out = runner.run(
-        torchrun_cmd(*args, "--config", str(ref_cb), "--trainer.default_root_dir", str(tmp_path / "ref")), 200
-    )
-    assert out.returncode == 0, out.stdout[-3000:]
-
-    root = tmp_path / "run"
-    cb, rec = recorder("run")
-    cmd = torchrun_cmd(*args, "--config", str(cb), "--trainer.default_root_dir", str(root))
-    watched = Watched(runner.start(cmd))
-    assert watched.wait_for(STARTED, 1, 120), watched.output[-3000:]
-    time.sleep(random.Random(seed).uniform(1.0, 3.0))
-    watched.proc.send_signal(signal.SIGTERM)  # the agent: torchrun forwards SIGTERM to its workers
-    code = watched.finish(120)
-    assert code != 0, watched.output[-3000:]
-    assert "stopped by SIGTERM at a step boundary" in watched.output, watched.output[-3000:]
-    assert not helpers.noise_lines(watched.output), helpers.noise_lines(watched.output)
-    [hpc] = list(root.glob("hpc_ckpt_*.ckpt"))
-    out = runner.run(cmd, 200)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert f"Resuming from {hpc}" in out.stdout
-    assert_same_params(load_records(rec), load_records(ref_rec))
-
-
 # ---- the resume point
 
 
@@ -194,6 +144,7 @@ class RaiseAtStep(Callback):
             raise RuntimeError(f"injected failure at step {self.step}")
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
@@ -220,6 +171,7 @@ def gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -231,7 +183,7 @@ def test_the_survivor_of_a_hung_peer_exits_soon_after_sigterm(
     it to both workers as it does before its SIGKILL: the survivor ends within 10 s with status 143 and one
     line saying why, instead of waiting for the SIGKILL or the process group timeout."""
     rng = random.Random(seed)
-    cmd = torchrun_cmd(*task_args("regression", tmp_path, 20000), "--trainer.default_root_dir", str(tmp_path / "run"))
+    cmd = torchrun_cmd(*regression_args(20000, 10), "--trainer.default_root_dir", str(tmp_path / "run"))
     watched = Watched(runner.start(cmd))
     hung, survivor = random_worker(watched, rng, (0.5, 2.0))
     os.kill(hung, signal.SIGSTOP)
@@ -248,6 +200,7 @@ def test_the_survivor_of_a_hung_peer_exits_soon_after_sigterm(
     assert "SIGTERM received and no step finished in 5 s since" in watched.output, watched.output[-3000:]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
@@ -259,7 +212,7 @@ def test_torchrun_names_the_sigkilled_worker_not_its_survivor(
     survivor, which exits 1 on the broken connection (issue 25, item 5)."""
     rng = random.Random(seed)
     cmd = torchrun("--standalone", "--nproc_per_node", "2", "-m", "lit_ddp", "fit",
-                   *task_args("regression", tmp_path, 20000), "--trainer.default_root_dir", str(tmp_path / "run"))  # fmt: skip
+                   *regression_args(20000, 10), "--trainer.default_root_dir", str(tmp_path / "run"))  # fmt: skip
     watched = Watched(runner.start(cmd))
     killed, _ = random_worker(watched, rng, (0.2, 3.0))
     os.kill(killed, signal.SIGKILL)
@@ -336,6 +289,7 @@ def test_torch_shared_store_still_breaks_restarts(tmp_path: Path, runner: helper
     print(f"refused in {time.monotonic() - start:.1f} s")
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)

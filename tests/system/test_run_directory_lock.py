@@ -14,6 +14,7 @@ from tests.helpers import QUIET, Runner, compose, kill_group, lit_ddp, wait
 DDP = ["trainer/ddp", "regression/ddp"]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_second_launch_on_a_live_directory_is_refused(tmp_path: Path, runner: Runner) -> None:
