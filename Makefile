@@ -31,11 +31,15 @@ format: venv
 	$(BIN)/ruff format lit_ddp tests bench scripts
 	$(BIN)/ruff check --fix lit_ddp tests bench scripts
 
-# The whole suite: lint, fast tests, then slow and multi-process ones (Slurm tests skip unless the
-# local cluster runs: `slurm/local_cluster.sh start`). The 25 slowest tests are listed at the end: the suite's
-# time is a budget (docs/development.md).
+# The whole suite: lint, then every test on TEST_WORKERS pytest-xdist workers (the suite waits on subprocesses
+# and Slurm a third of its time; the Slurm tests run in order on one worker, as they share the local cluster,
+# and skip unless it runs: `slurm/local_cluster.sh start`), then the `serial` ones, which time how fast
+# something ends, alone (status 5: none selected). The 25 slowest tests are listed: the suite's time is a
+# budget (docs/development.md).
+TEST_WORKERS ?= 2
 test: venv lint
-	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not serial" --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || test $$? -eq 5
 
 # Only the unit tests (tests/unit: none carries a slow / multiprocess / slurm marker; tests/conftest.py checks).
 test-fast: venv

@@ -116,7 +116,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Unit tests (``tests/unit``) carry none of :data:`tests.helpers.SYSTEM_MARKERS`; system tests
-    (``tests/system``) at least one; no test lives elsewhere. Checked before ``-m`` deselects anything."""
+    (``tests/system``) at least one; no test lives elsewhere. Checked before ``-m`` deselects anything. Under
+    pytest-xdist (``make test``), the Slurm tests form one group (``--dist loadgroup``: one worker runs them)."""
     here = Path(__file__).resolve().parent
     wrong = []
     for item in items:
@@ -133,6 +134,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             wrong.append(f"{item.nodeid}: put it in tests/unit/ (unmarked) or tests/system/ (marked)")
     if wrong:
         raise pytest.UsageError("tests in the wrong place:\n  " + "\n  ".join(wrong))
+    if config.pluginmanager.hasplugin("xdist"):  # the Slurm tests share one cluster: in order, on one worker
+        for item in items:
+            if item.get_closest_marker("slurm"):
+                item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture

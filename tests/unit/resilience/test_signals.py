@@ -29,6 +29,7 @@ print("requested", signals.requested(), flush=True)
 """
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("main_thread", ["blocked", "stepping"])
 def test_sigterm_ends_a_blocked_process_and_not_a_stepping_one(main_thread: str) -> None:
     proc = subprocess.Popen(
