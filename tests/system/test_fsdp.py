@@ -161,7 +161,7 @@ def test_a_tensor_parallel_checkpoint_resumes_under_tensor_parallelism_and_fsdp2
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_chaos_under_torchrun_finds_fsdp2_exact(tmp_path: Path, runner: Runner, seed: int, tiny_text: Path) -> None:
     """FSDP2 under torchrun with cpu.yaml's Muon + AdamW, its sharded checkpoints written in the background
     (``async_save``): a worker SIGKILLed and a checkpoint's writer SIGKILLed mid-write, at moments drawn from the
@@ -170,7 +170,7 @@ def test_chaos_under_torchrun_finds_fsdp2_exact(tmp_path: Path, runner: Runner, 
     fit = [*mingpt("fsdp", 60, tiny_text, "muon"), "--trainer.strategy.init_args.async_save", "true"]
     cmd = lit_ddp("chaos", "--launcher", "torchrun", "--nproc_per_node", "2", "--faults", "2", "--kinds", "kill",
                   "save", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit)  # fmt: skip
-    result = runner.run(cmd, timeout=360)
+    result = runner.run(cmd, timeout=540)
     assert result.returncode == 0, result.stdout[-6000:] + (tmp_path / "c" / "faulted.log").read_text()[-6000:]
     assert sorted(row[1] for row in fault_table(result.stdout)) == ["kill", "save"], result.stdout[-3000:]
     assert "identical: the faulted run ends bit for bit" in result.stdout
