@@ -147,14 +147,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     side, one test's jobs take the nodes another test's jobs wait for, and real preemption (test_slurm_preemption)
     never comes. pytest 9.2 makes xdist 3.8 drop every group silently (pytest-dev/pytest-xdist#1386, open):
     pyproject pins ``pytest<9.2`` until that is fixed, and this check says when the pin can go."""
-    if item.config.getoption("loadgroup", default=False) and item.get_closest_marker("slurm"):
-        if not item.nodeid.endswith("@slurm"):
-            pytest.fail(
-                f"pytest {pytest.__version__} with --dist loadgroup: xdist dropped this Slurm test's group, so it"
-                " would run beside another on the one cluster (pytest-dev/pytest-xdist#1386). Install pytest<9.2,"
-                " as pyproject's dev extras say, or run the Slurm tests without -n.",
-                pytrace=False,
-            )
+    grouped = item.config.getoption("loadgroup", default=False)
+    if grouped and item.get_closest_marker("slurm") and not item.nodeid.endswith("@slurm"):
+        pytest.fail(
+            f"pytest {pytest.__version__} with --dist loadgroup: xdist dropped this Slurm test's group, so it"
+            " would run beside another on the one cluster (pytest-dev/pytest-xdist#1386). Install pytest<9.2,"
+            " as pyproject's dev extras say, or run the Slurm tests without -n.",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
