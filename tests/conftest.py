@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lit_ddp.data.sources import DATA_ENV, read_embedded_text
 from tests import helpers
@@ -24,6 +25,14 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # The tests read the packaged text or files of their own, never a text the user points $LIT_DDP_DATA at
 # (subprocesses inherit this environment).
 os.environ.pop(DATA_ENV, None)
+# Under pytest-xdist (``make test``), two tests run at once on this 2-core machine: processes that each spread
+# over every core (torch's default) made a one-process fit 5x slower beside another, measured. One intra-op
+# thread per process, as torchrun gives its workers; the Slurm jobs' threads still follow --cpus-per-task
+# (:func:`tests.system.helpers_slurm.slurm_env`), and the serial tests run alone with torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    helpers.ONE_THREAD_PER_PROCESS = True
 
 
 @pytest.fixture(scope="session")

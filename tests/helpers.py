@@ -29,6 +29,8 @@ TEST_DATA = Path(__file__).resolve().parent / "data"
 SYSTEM_MARKERS = ("slow", "multiprocess", "slurm")
 # The environment variable that replays a random test: its seed (the ``seed`` fixture, tests/conftest.py).
 SEED_ENV = "LIT_DDP_TEST_SEED"
+# True where tests/conftest.py set OMP_NUM_THREADS=1 (under pytest-xdist; the user had not set it).
+ONE_THREAD_PER_PROCESS = False
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 # A tiny GPT and a small slice of text: seconds per run on 2 cores.
 TINY_GPT_ARGS = [

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import helpers
 from tests.helpers import REPO, start, subprocess_env, wait
 
 VENV_BIN = Path(sys.executable).parent
@@ -71,6 +72,8 @@ def slurm_env(**extra: str) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(VENV_BIN), env.get("PATH", "")])
     env["LIT_DDP_PYTHON"] = extra.get("LIT_DDP_PYTHON", sys.executable)
     env["LIT_DDP_TORCHRUN"] = str(VENV_BIN / "torchrun")
+    if helpers.ONE_THREAD_PER_PROCESS and "OMP_NUM_THREADS" not in extra:
+        del env["OMP_NUM_THREADS"]  # tests/conftest.py's, for local processes: a job's follow its CPUs
     for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))]:
         if key not in extra:
             del env[key]  # a test run inside a Slurm job must not leak that job's layout
