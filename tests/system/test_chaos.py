@@ -140,8 +140,9 @@ def test_chaos_under_slurm_survives_preemptions_on_an_unkind_cluster(tmp_path: P
     cmd = lit_ddp("chaos", "--launcher", "slurm", "--nodes", "1", "--nproc_per_node", "2", "--faults", "3",
                   "--kinds", "usr1", "--seed", str(seed), "--root", str(tmp_path / "c"), "--", *fit)  # fmt: skip
     result = runner.run(cmd, timeout=540, **env)
-    [log] = [p.read_text() for p in (tmp_path / "c").glob("faulted-*.out")]  # one job, requeued in place
-    assert result.returncode == 0, result.stdout[-4000:] + log[-4000:]
+    logs = [p.read_text() for p in (tmp_path / "c").glob("faulted-*.out")]
+    assert result.returncode == 0, result.stdout[-4000:] + "".join(logs)[-4000:]
+    [log] = logs  # one job, requeued in place
     assert [row[1] for row in fault_table(result.stdout)] == ["usr1"] * 3, result.stdout[-3000:]
     assert "identical: the faulted run ends bit for bit" in result.stdout, result.stdout[-3000:]
     assert log.count("SIGUSR1 received: saving") == 3, log[-5000:]
