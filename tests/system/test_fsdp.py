@@ -5,6 +5,7 @@ at random moments, under torchrun or Slurm, resumes bit for bit. In one process:
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +78,15 @@ def final(root: Path) -> dict:
 def fit_40(runner: Runner, text: Path, root: Path, strategy: str, devices: int, batch: int, *extra: str,
            configs: tuple[str, ...] = (), ok: bool = True) -> str:  # fmt: skip
     """minGPT (:func:`mingpt`, then ``configs``) for 40 steps into ``root``, without dropout, AdamW at 3e-4,
-    ``batch`` windows per process; asserts it ends as ``ok`` says and returns its output."""
+    ``batch`` windows per process (under torchrun where ``devices`` outnumber the cores, as a user would run them);
+    asserts it ends as ``ok`` says and returns its output."""
     args = [*mingpt(strategy, 40, text), *compose(*configs), "--model.dropout", "0.0", "--model.learning_rate", "3e-4",
             "--data.batch_size", str(batch), "--trainer.devices", str(devices), "--trainer.default_root_dir", str(root),
             *extra]  # fmt: skip
-    result = runner.run(lit_ddp("fit", *args), timeout=240)
+    cmd = lit_ddp("fit", *args)
+    if devices > (os.cpu_count() or 1):
+        cmd = torchrun("--standalone", "--nproc_per_node", str(devices), *cmd[1:])
+    result = runner.run(cmd, timeout=240)
     assert (result.returncode == 0) == ok, result.stdout[-5000:]
     return result.stdout
 
@@ -97,27 +102,29 @@ def worst_drift(a: dict, b: dict) -> float:
 def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(
     tmp_path: Path, runner: Runner, tiny_text: Path
 ) -> None:
-    """Sharded checkpoints (configs/trainer/fsdp.yaml) of 2 processes resume on 1, and of 1 on 2, and a DDP run's
-    single-file checkpoint under FSDP2 on 2 (its optimizer state numbered, not named:
+    """Sharded checkpoints (configs/trainer/fsdp.yaml) of 2 processes resume on 1 and on 3, and of 1 on 2, and a
+    DDP run's single-file checkpoint under FSDP2 on 2 (its optimizer state numbered, not named:
     compat.optimizer_states_numbered_by_their_groups), by an explicit --ckpt_path into a new run directory: DCP
-    reshards the parameters and AdamW's state, the sampler continues the global order (global batch 16 each time;
-    no dropout), and the 40 steps end with the parameters of the run that was not interrupted, to float rounding
-    (1e-5, relative, per tensor). Then ``lit-ddp generate`` samples from the resumed run's sharded last.ckpt."""
-
-    def fit(root: Path, strategy: str, devices: int, *extra: str) -> str:  # a global batch of 16
-        return fit_40(runner, tiny_text, root, strategy, devices, 16 // devices, *extra)
-
-    for first, (strategy, then) in ((2, ("ddp", 2)), (2, ("fsdp", 1)), (1, ("fsdp", 2))):
-        whole, resumed = tmp_path / f"{strategy}_whole_on_{first}", tmp_path / f"{strategy}_{first}_then_{then}"
-        fit(whole, strategy, first)
+    reshards the parameters and AdamW's state, the sampler continues the global order (the same global batch
+    each time: 48 where 3 processes take it, 16 elsewhere; no dropout), and the 40 steps end with the parameters
+    of the run that was not interrupted, to float rounding (1e-5, relative, per tensor). Then ``lit-ddp
+    generate`` samples from a resumed run's sharded last.ckpt."""
+    legs = ((2, "ddp", 16, (2,)), (2, "fsdp", 48, (1, 3)), (1, "fsdp", 16, (2,)))  # first, strategy, batch, then
+    for first, strategy, batch, thens in legs:
+        whole = tmp_path / f"{strategy}_whole_on_{first}"
+        fit_40(runner, tiny_text, whole, strategy, first, batch // first)
         middle = next(p for step, p in ranked_checkpoints(str(whole)) if 15 < step < 25)  # step 21: validation at 20
         assert Path(middle).is_dir() == (strategy == "fsdp"), middle
-        assert f"at global_step {checkpoint_step(middle)}," in fit(resumed, "fsdp", then, "--ckpt_path", middle)
-        a, b = final(whole), final(resumed)
-        assert (a["global_step"], b["global_step"]) == (40, 40)
-        worst = worst_drift(a["state_dict"], b["state_dict"])
-        print(f"{strategy} on {first} -> FSDP2 on {then}: parameters within {worst:.1e} (relative) of the whole run's")
-        assert worst <= 1e-5, f"{strategy} {first} -> {then}: {worst:.1e}"
+        a = final(whole)
+        for then in thens:
+            resumed = tmp_path / f"{strategy}_{first}_then_{then}"
+            out = fit_40(runner, tiny_text, resumed, "fsdp", then, batch // then, "--ckpt_path", middle)
+            assert f"at global_step {checkpoint_step(middle)}," in out
+            b = final(resumed)
+            assert (a["global_step"], b["global_step"]) == (40, 40)
+            worst = worst_drift(a["state_dict"], b["state_dict"])
+            print(f"{strategy} on {first} -> FSDP2 on {then}: parameters within {worst:.1e} (relative) of the whole's")
+            assert worst <= 1e-5, f"{strategy} {first} -> {then}: {worst:.1e}"
     last = resumed / "checkpoints" / "last.ckpt"
     result = runner.run(
         lit_ddp("generate", "--ckpt_path", str(last), "--prompt", "ROMEO:", "--max_new_tokens", "40"), timeout=120
