@@ -3,8 +3,9 @@ leaves no process behind, the recorder callbacks' YAML fragments, and the seed o
 replayed from ``$LIT_DDP_TEST_SEED``).
 
 Hooks: a test's place says what it is (``tests/unit``: no ``slow`` / ``multiprocess`` / ``slurm`` marker;
-``tests/system``: at least one), checked at collection; the terminal summary repeats the seed of each failed
-random test."""
+``tests/system``: at least one), checked at collection; under pytest-xdist the Slurm tests form one group, and
+one that runs outside it fails; the terminal summary repeats the seed of each failed random test. Under
+pytest-xdist each process gets one intra-op thread (below)."""
 
 from __future__ import annotations
 
