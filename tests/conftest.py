@@ -28,8 +28,9 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 os.environ.pop(DATA_ENV, None)
 # Under pytest-xdist (``make test``), two tests run at once on this 2-core machine: processes that each spread
 # over every core (torch's default) made a one-process fit 5x slower beside another, measured. One intra-op
-# thread per process, as torchrun gives its workers; the Slurm jobs' threads still follow --cpus-per-task
-# (:func:`tests.system.helpers_slurm.slurm_env`), and the serial tests run alone with torch's default.
+# thread per process, as torchrun gives its workers. The jobs tests submit through
+# :func:`tests.system.helpers_slurm.slurm_env` still take their threads from --cpus-per-task (chaos's jobs inherit
+# the one thread); the serial tests run alone with torch's default.
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

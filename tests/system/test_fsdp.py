@@ -5,7 +5,6 @@ at random moments, under torchrun or Slurm, resumes bit for bit. In one process:
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from lit_ddp.launch.preflight import usable_cpus
 from lit_ddp.models.gpt import GPT, GPTConfig
 from lit_ddp.models.parallelize import clip_grad_norm_
 from lit_ddp.resilience import sharded
@@ -84,7 +84,7 @@ def fit_40(runner: Runner, text: Path, root: Path, strategy: str, devices: int, 
             "--data.batch_size", str(batch), "--trainer.devices", str(devices), "--trainer.default_root_dir", str(root),
             *extra]  # fmt: skip
     cmd = lit_ddp("fit", *args)
-    if devices > (os.cpu_count() or 1):
+    if devices > usable_cpus():  # the preflight would refuse them
         cmd = torchrun("--standalone", "--nproc_per_node", str(devices), *cmd[1:])
     result = runner.run(cmd, timeout=240)
     assert (result.returncode == 0) == ok, result.stdout[-5000:]
