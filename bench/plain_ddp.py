@@ -13,7 +13,8 @@ step), gradient clipping at norm 1.0. No validation, logging or checkpoints: onl
 Modes:
 
 - ``ddp``: ``--procs`` processes (default 2), ``torch.multiprocessing.spawn``, gloo,
-  ``DDP(model, forward_sync_buffers=False)`` (as ``configs/trainer/ddp.yaml``), each
+  ``DDP`` without the per-step buffer broadcast (as ``configs/trainer/ddp.yaml``:
+  :func:`lit_ddp.strategies.ddp_buffer_kwargs`), each
   process with ``cores // procs`` threads (what Lightning gives each);
 - ``single``: one process with ``cores`` threads and the same global batch (``procs x batch_size``);
 - ``both``: ``ddp`` and ``single`` as two subprocesses running in turns of ``--slice_s`` seconds
@@ -51,6 +52,7 @@ from bench.charlm import load_splits
 from bench.matmul_peak import matmul_flops
 from lit_ddp.models.gpt import GPT, GPTConfig
 from lit_ddp.recipe import build_optimizer, warmup_cosine_schedule
+from lit_ddp.strategies import ddp_buffer_kwargs
 
 
 class Windows(Dataset):
@@ -115,7 +117,7 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
     dataset = Windows(train, args.block_size)
     if world > 1:
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-        net: torch.nn.Module = DDP(model, forward_sync_buffers=False)  # as configs/trainer/ddp.yaml
+        net: torch.nn.Module = DDP(model, **ddp_buffer_kwargs(False))  # as configs/trainer/ddp.yaml
     else:
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed))
         net = model

@@ -1,14 +1,16 @@
-"""FSDP2 through Lightning: ``ModelParallelStrategy`` sized for sharding over every process, sharding by config.
+"""The project's strategies: DDP with one buffer setting on every torch, and FSDP2 sized by config.
 
-The step after DDP in the torch.distributed overview: when the parameters, gradients and optimizer state of a
-model no longer fit on one device, FSDP2 (``fully_shard``) keeps ``1/world_size`` of each on every rank and
-all-gathers a block's parameters only while it computes. ``configs/trainer/fsdp.yaml`` names this strategy in
-place of DDP; the LightningModule stays the one DDP trains.
+:class:`DDPStrategy` is Lightning's with the per-step buffer broadcast chosen by one argument, which torch spells
+differently across the supported range. :class:`FSDP2Strategy` is the step after DDP in the torch.distributed
+overview: when the parameters, gradients and optimizer state of a model no longer fit on one device, FSDP2
+(``fully_shard``) keeps ``1/world_size`` of each on every rank and all-gathers a block's parameters only while it
+computes. ``configs/trainer/fsdp.yaml`` names it in place of DDP; the LightningModule stays the one DDP trains.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch import strategies as lightning_strategies
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -28,10 +31,52 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp import compat
 from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
 from lit_ddp.resilience import sharded
+
+
+def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, bool]:
+    """``DistributedDataParallel`` keyword arguments that make it broadcast rank zero's buffers before every forward
+    (``sync_buffers``) or not, on this torch.
+
+    torch >= 2.13 calls it ``forward_sync_buffers`` and deprecates ``broadcast_buffers`` with a warning; before 2.13
+    only ``broadcast_buffers`` exists. Either way the buffers are still broadcast once when DDP wraps the model,
+    except with ``broadcast_buffers=False`` before 2.13, which skips that too: harmless for models whose buffers are
+    the same on every rank from the start (the GPT's rotary tables, computed from the config).
+    """
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": sync_buffers}
+    return {"broadcast_buffers": sync_buffers}
+
+
+class DDPStrategy(lightning_strategies.DDPStrategy):
+    """Lightning's ``DDPStrategy`` with the per-step buffer broadcast chosen by ``sync_buffers`` on every supported
+    torch (:func:`ddp_buffer_kwargs`), so that one YAML (``configs/trainer/ddp.yaml``) runs without a warning or a
+    rejected option from torch 2.9 to 2.15.
+
+    Args:
+        sync_buffers: True: DDP broadcasts every buffer from rank zero before each forward, a blocking collective per
+            step, which a model whose training changes its buffers (BatchNorm's running statistics) wants, or
+            SyncBatchNorm. False (the default): no per-step broadcast; this project's models have no buffer that
+            training changes.
+        **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout``, ``process_group_backend``, ...) and
+            ``DistributedDataParallel``'s, except its buffer arguments.
+
+    Raises:
+        ValueError: ``forward_sync_buffers`` or ``broadcast_buffers`` among ``kwargs`` (say ``sync_buffers``).
+    """
+
+    def __init__(self, sync_buffers: bool = False, **kwargs: Any) -> None:
+        for name in ("forward_sync_buffers", "broadcast_buffers"):
+            if kwargs.pop(name, None) is not None:  # the CLI lists DDP's own arguments too, each None
+                raise ValueError(
+                    f"DDPStrategy({name}=...): say sync_buffers instead "
+                    f"(lit_ddp.strategies.DDPStrategy passes it to DDP under the name this torch knows)"
+                )
+        super().__init__(**kwargs, **ddp_buffer_kwargs(sync_buffers))
 
 
 def forward_is_collective(module: nn.Module) -> bool:

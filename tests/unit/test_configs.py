@@ -190,3 +190,35 @@ def test_the_tutorial_page_gives_figures_for_every_step_runnable_here() -> None:
     runnable = {name for name, command in readme_commands().items() if "gpu.yaml" not in command}
     assert runnable - set(figures) == set(), "README steps the page gives no figures for"
     assert set(figures) - set(readme_commands()) == set(), "page rows that name no README step"
+
+
+@pytest.mark.parametrize("command", list(readme_compositions()), ids=lambda c: c.split()[-1])
+def test_readme_command_builds_its_ddp_without_warnings(
+    command: str, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """The DDP strategy of every README composition wraps a module with buffers on this torch without a warning or
+    a rejected option (torch 2.13 renamed ``broadcast_buffers``: lit_ddp.strategies.DDPStrategy picks the name), and
+    with no per-step buffer broadcast. ``make test-torch`` runs it on the floor of the torch range and on the newest."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    strategy = resolved(readme_compositions()[command], capsys)["trainer"]["strategy"]
+    if not (isinstance(strategy, dict) and strategy["class_path"].endswith(".DDPStrategy")):
+        pytest.skip(f"{command}: no DDP strategy")
+    module, _, name = strategy["class_path"].rpartition(".")
+    init_args = {k: v for k, v in strategy["init_args"].items() if k not in ("timeout",)}
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            instance = getattr(importlib.import_module(module), name)(**init_args)
+            net = torch.nn.BatchNorm1d(3)  # a module with buffers
+            ddp = DistributedDataParallel(net, **instance._ddp_kwargs)
+        assert ddp.require_forward_param_sync is True and not getattr(
+            ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)
+        ), f"{command}: DDP broadcasts buffers every step"
+    finally:
+        dist.destroy_process_group()
