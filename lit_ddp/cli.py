@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar, TQDMProgressBar
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelSummary, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lit_ddp.callbacks.model_summary import MixedPrecisionModelSummary
 from lit_ddp.generate import generate_main, sample
 from lit_ddp.launch.preflight import check_config_files
 from lit_ddp.launch.reporting import report, silence_library_noise
@@ -29,6 +32,19 @@ from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
 DEFAULT_SEED = 1337
 PROGRESS_BAR_REFRESH_STEPS = 10  # steps between redraws of the default progress bar
+# float32 matrix products on CUDA where the config chooses none: TF32 tensor cores, Lightning's and Inductor's advice.
+CUDA_FLOAT32_MATMUL_PRECISION = "high"
+
+
+def set_float32_matmul_precision(configured: str | None, accelerator: Accelerator) -> None:
+    """``torch.set_float32_matmul_precision(configured)``; with none configured, ``"high"`` (TF32) on a CUDA
+    accelerator unless this process has already chosen one (torch's is not ``"highest"``), and nothing elsewhere:
+    CPU results stay as they are. Lightning prints a tip on every CUDA run that leaves torch's default."""
+    if configured is None:
+        if not isinstance(accelerator, CUDAAccelerator) or torch.get_float32_matmul_precision() != "highest":
+            return
+        configured = CUDA_FLOAT32_MATMUL_PRECISION
+    torch.set_float32_matmul_precision(configured)
 
 
 class LitDDPCLI(ResilientCLI):
@@ -41,7 +57,11 @@ class LitDDPCLI(ResilientCLI):
       ``version_N`` folders), so a restart continues the same log; hyperparameters go into the event files
       too (:class:`~lit_ddp.tensorboard.HParamsTensorBoardLogger`);
     - ``fit`` ends by printing the best monitored value with its step and file, the last checkpoint and its
-      step, and a text sample (minGPT).
+      step, and a text sample (minGPT);
+    - ``float32_matmul_precision`` (``highest``, ``high``, ``medium``) is torch's for float32 matrix products; unset,
+      ``high`` (TF32) on CUDA devices, torch's default elsewhere (:func:`set_float32_matmul_precision`);
+    - the model summary is :class:`~lit_ddp.callbacks.model_summary.MixedPrecisionModelSummary`, Lightning's without
+      its false warning under mixed precision.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -57,6 +77,13 @@ class LitDDPCLI(ResilientCLI):
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         # Facts the data decides reach the model through links (skipped when a class lacks the argument).
         parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
+        parser.add_argument(
+            "--float32_matmul_precision",
+            type=Literal["highest", "high", "medium"] | None,
+            default=None,
+            help="torch.set_float32_matmul_precision before the trainer runs; null: high (TF32) on CUDA devices, "
+            "torch's default (highest) elsewhere",
+        )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
@@ -75,8 +102,16 @@ class LitDDPCLI(ResilientCLI):
         if trainer_config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in callbacks
         ):
-            kwargs["callbacks"] = [*callbacks, TQDMProgressBar(refresh_rate=PROGRESS_BAR_REFRESH_STEPS)]
-        return super().instantiate_trainer(**kwargs)
+            callbacks.append(TQDMProgressBar(refresh_rate=PROGRESS_BAR_REFRESH_STEPS))
+        if trainer_config.get("enable_model_summary") is not False and not any(
+            isinstance(c, ModelSummary) for c in callbacks
+        ):  # ours in place of Lightning's, which then neither adds its own nor says that it found one
+            callbacks.append(MixedPrecisionModelSummary())
+            kwargs["enable_model_summary"] = False
+        kwargs["callbacks"] = callbacks
+        trainer = super().instantiate_trainer(**kwargs)
+        set_float32_matmul_precision(self._get(self.config, "float32_matmul_precision"), trainer.accelerator)
+        return trainer
 
     def after_fit(self) -> None:
         """Rank zero prints the best monitored value (unless the monitor is ``step``: keep-the-newest), its step and

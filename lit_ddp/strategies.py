@@ -38,7 +38,7 @@ from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
 from lit_ddp.resilience import sharded
 
 
-def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, bool]:
+def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, Any]:
     """``DistributedDataParallel`` keyword arguments that make it broadcast rank zero's buffers before every forward
     (``sync_buffers``) or not, on this torch.
 
@@ -55,7 +55,7 @@ def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, bool]:
 class DDPStrategy(lightning_strategies.DDPStrategy):
     """Lightning's ``DDPStrategy`` with the per-step buffer broadcast chosen by ``sync_buffers`` on every supported
     torch (:func:`ddp_buffer_kwargs`), so that one YAML (``configs/trainer/ddp.yaml``) runs without a warning or a
-    rejected option from torch 2.9 to 2.15.
+    rejected option from torch 2.9 to 2.15, and DDP built on the stream that trains (:meth:`_setup_model`).
 
     Args:
         sync_buffers: True: DDP broadcasts every buffer from rank zero before each forward, a blocking collective per
@@ -77,6 +77,19 @@ class DDPStrategy(lightning_strategies.DDPStrategy):
                     f"(lit_ddp.strategies.DDPStrategy passes it to DDP under the name this torch knows)"
                 )
         super().__init__(**kwargs, **ddp_buffer_kwargs(sync_buffers))
+
+    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
+        """DDP around ``model``, built on the current CUDA stream, the one every forward and backward then runs on.
+
+        Lightning (up to 2.6.6 at least) builds it under a new side stream (for whole-network CUDA graph capture,
+        which nothing here does). DDP's reducer keeps the parameters' AccumulateGrad nodes it creates then, each
+        bound to that side stream, while the gradients arrive from the default stream: torch >= 2.10 warns at the
+        first backward ("The AccumulateGrad node's stream does not match the stream of the node that produced the
+        incoming gradient", asking for DDP to be built "under the same stream as subsequent forwards"), and each
+        backward may wait on the side stream. Lightning-AI/pytorch-lightning#21567, fixed by #21746 (after 2.6.6).
+        On CPU (``device_ids`` None) Lightning opens no stream, and this builds what it builds.
+        """
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
 
 def forward_is_collective(module: nn.Module) -> bool:

@@ -44,10 +44,12 @@ TINY_GPT_ARGS = [
 ]  # fmt: skip
 # A short text of a few characters, for the data modules' tests (tests/unit/data).
 SHORT_TEXT = "A Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
-# Lines a newcomer should not meet on a command that does not concern them (issues 21 and 25): other libraries'
-# hints, advertisements and deprecations.
+# Lines a newcomer should not meet on a command that does not concern them (issues 21, 25 and 43): other libraries'
+# hints, advertisements and deprecations, and on GPUs Lightning's TF32 tip, its model summary's warning under mixed
+# precision and torch's warning of a DDP built on another stream than the one that trains.
 NOISE = ("DistributedSampler", "LeafSpec", "Tip:", "set_vital", "litlogger", "srun` command is available",
-         "smaller than the logging interval", "`weights_only` was not set", "exists and is not empty")  # fmt: skip
+         "smaller than the logging interval", "`weights_only` was not set", "exists and is not empty",
+         "set_float32_matmul_precision", "not supported by the model summary", "AccumulateGrad node's stream")  # fmt: skip
 
 
 def noise_lines(output: str) -> list[str]:

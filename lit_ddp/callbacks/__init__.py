@@ -1,7 +1,8 @@
-"""Monitoring callbacks the configs name: text samples and token throughput. (The callbacks that make a run
-survive are in :mod:`lit_ddp.resilience`.)"""
+"""Monitoring callbacks the configs name: text samples and token throughput; and the model summary the CLI puts
+in place of Lightning's. (The callbacks that make a run survive are in :mod:`lit_ddp.resilience`.)"""
 
+from lit_ddp.callbacks.model_summary import MixedPrecisionModelSummary
 from lit_ddp.callbacks.text_samples import TextSampleCallback
 from lit_ddp.callbacks.throughput import TokenThroughputMonitor
 
-__all__ = ["TextSampleCallback", "TokenThroughputMonitor"]
+__all__ = ["MixedPrecisionModelSummary", "TextSampleCallback", "TokenThroughputMonitor"]
