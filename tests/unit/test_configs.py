@@ -8,6 +8,7 @@ import importlib
 import json
 import re
 import shlex
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 import yaml
 
 from lit_ddp.cli import cli_main
-from tests.helpers import CONFIGS, REPO, page_figures, readme_commands
+from tests.helpers import CONFIGS, REPO, noise_lines, page_figures, readme_commands
 
 ALL = sorted(CONFIGS.rglob("*.yaml"))
 BASE = CONFIGS / "regression" / "single_device.yaml"
@@ -222,3 +223,34 @@ def test_readme_command_builds_its_ddp_without_warnings(
         ), f"{command}: DDP broadcasts buffers every step"
     finally:
         dist.destroy_process_group()
+
+
+# The GPU main job on this CPU: the same config, on one CPU process, without compiling, a tiny model for 5 steps.
+GPU_JOB_ON_CPU = [
+    "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.max_steps", "5",
+    "--trainer.val_check_interval", "5", "--trainer.enable_progress_bar", "false",
+    "--model.init_args.compile", "false",
+    "--model.init_args.n_layer", "1", "--model.init_args.n_head", "2", "--model.init_args.n_embd", "32",
+    "--data.init_args.block_size", "32", "--data.init_args.batch_size", "8", "--data.init_args.truncate", "0.02",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_gpu_main_job_dry_run_on_cpu(
+    precision: str, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``configs/mingpt/gpu.yaml`` trains here with the overrides of a CPU (its comment gives the command), in float32
+    and in the bf16 autocast it runs in on GPUs: Muon + AdamW, the schedule, validation, the model summary without
+    a warning, one checkpoint (last.ckpt, at the end), and no line of the noise list."""
+    configs = ["--config", str(REPO / DDP), "--config", str(CONFIGS / "mingpt" / "gpu.yaml")]
+    root = ["--trainer.default_root_dir", str(tmp_path)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = cli_main(["fit", *configs, *GPU_JOB_ON_CPU, "--trainer.precision", precision, *root])
+    assert cli is not None and cli.trainer.global_step == 5
+    assert cli.trainer.precision == precision
+    assert float(cli.trainer.callback_metrics["val/loss"]) < 4.5  # ln(65) = 4.17 at the start
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert "Total params" in caplog.text, "the model summary"
+    output = "\n".join([capsys.readouterr().out, caplog.text, *(str(w.message) for w in caught)])
+    assert noise_lines(output) == []
