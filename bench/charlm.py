@@ -52,12 +52,26 @@ def get_batch(
 
 
 @torch.no_grad()
-def estimate_loss(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: int, iters: int) -> float:
+def estimate_loss(
+    model: nn.Module,
+    data: torch.Tensor,
+    block_size: int,
+    batch_size: int,
+    iters: int,
+    device: torch.device | str | None = None,
+) -> float:
     """Mean loss (nats per token) over ``iters`` random batches of ``data`` (nanoGPT's ``estimate_loss``),
-    in eval mode; the global RNG draws the batches."""
+    in eval mode; the global RNG draws the batches, which go to ``device`` (None: where ``data`` is)."""
     was_training = model.training
     model.eval()
-    losses = [model(*get_batch(data, block_size, batch_size))[1].item() for _ in range(iters)]
+    losses = []
+    for _ in range(iters):
+        x, y = get_batch(data, block_size, batch_size)  # (B, T) each
+        if device is not None and torch.device(device).type == "cuda":  # through pinned memory, as nanoGPT
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        elif device is not None:
+            x, y = x.to(device), y.to(device)
+        losses.append(model(x, y)[1].item())
     model.train(was_training)
     return sum(losses) / len(losses)
 

@@ -1,17 +1,28 @@
-"""The reference the main job is timed against: nanoGPT's CPU recipe as a plain single-process PyTorch loop.
+"""The reference the main job is timed against: nanoGPT's Shakespeare-char recipes as a plain single-process
+PyTorch loop, on the CPU (``--recipe cpu``, the default) or a GPU (``--recipe gpu``).
 
-nanoGPT's README trains a "baby GPT" on a CPU with ``train.py config/train_shakespeare_char.py
+``--recipe cpu``: nanoGPT's README trains a "baby GPT" on a CPU with ``train.py config/train_shakespeare_char.py
 --device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
---n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0``. This loop follows that
-recipe from its facts, with the model of :mod:`lit_ddp.models.gpt` (the same architecture code as ours):
+--n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0``.
+
+``--recipe gpu``: ``train.py config/train_shakespeare_char.py`` on one GPU with ``max_iters`` and
+``lr_decay_iters`` at 2000 (the config says 5000; issue 44 measured nanoGPT with 2000): 6 layers x 6 heads x 384
+wide, context 256, 64 windows per iteration, dropout 0.2, evaluation every 250 iterations over 200 batches of each
+split; and ``train.py``'s GPU defaults: bf16 autocast (``dtype`` bfloat16 where the GPU has it), ``torch.compile``
+of the whole model, fused AdamW, TF32 matmuls allowed, batches through pinned memory (``non_blocking``). nanoGPT's
+README reports val loss 1.4697 for this run (the mark the GPU main job is timed against).
+
+Both follow the recipe from its facts, with the model of :mod:`lit_ddp.models.gpt` (the same architecture code as
+ours):
 
 - data: char-level Tiny Shakespeare; vocabulary = sorted distinct characters of the whole text; first 90%
-  train, last 10% validation (``shakespeare_char/prepare.py``); 12 windows of 64 characters per
-  iteration at uniformly random positions (``get_batch``);
-- model: 4 layers x 4 heads x 128 wide, context 64, no biases, dropout 0, tied head, GPT-2 init;
+  train, last 10% validation (``shakespeare_char/prepare.py``); ``batch_size`` windows of ``block_size``
+  characters per iteration at uniformly random positions (``get_batch``);
+- model: no biases, tied head, GPT-2 init;
 - AdamW lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on parameters with 2 or more dimensions only, warmup
-  100 iterations then cosine down to 1e-4 at 2000 (``get_lr``), gradient clipping at norm 1.0; fp32;
-- evaluation at iteration 0 and every 250: mean loss over 20 random batches of each split;
+  100 iterations then cosine down to 1e-4 at ``max_iters`` (``get_lr``), gradient clipping at norm 1.0;
+- evaluation at iteration 0 and every 250: mean loss over ``eval_iters`` random batches of each split, in eval
+  mode (under the same autocast);
 - seed 1337 before building the model; torch threads = ``os.cpu_count()`` (nanoGPT leaves torch's
   default, one thread per physical core).
 
@@ -19,11 +30,16 @@ This file is the *reference*, so its recipe is nanoGPT's, written out here on pu
 :mod:`lit_ddp.recipe` (the job's, which every other benchmark uses): nanoGPT's AdamW groups (decay by
 dimension, not minGPT's by module type) and nanoGPT's ``get_lr`` (:func:`get_lr`).
 
-Left out: nanoGPT's checkpoint writes on a new best val loss (milliseconds for this 0.8M-parameter model)
-and the extra training step it runs after the final evaluation. Times are wall-clock seconds since the
-process started (from ``/proc``, so interpreter start-up and imports count, as for a timed launch).
+Left out: nanoGPT's checkpoint writes on a new best val loss (milliseconds for the CPU recipe's 0.8M-parameter
+model; for the GPU recipe's 10.7M, a 130 MB ``torch.save`` at each improving evaluation), its progress prints
+(``loss.item()`` every 10 iterations) and the extra training step it runs after the final evaluation. Times
+are wall-clock seconds since the process started (from ``/proc``, so interpreter start-up and imports count,
+as for a timed launch). Iteration time: the training iterations between two evaluations (the GPU synchronized
+at both ends), the first interval (compilation, warm-up) left out when there are later ones; MFU against
+Lightning's table of peaks (as the main job's ThroughputMonitor), computed after the last evaluation.
 
     nice -n 10 .venv/bin/python -m bench.nanogpt_reference --target 1.886
+    python -m bench.nanogpt_reference --recipe gpu --stop_at_target --json /tmp/reference.json
 """
 
 from __future__ import annotations
@@ -69,67 +85,149 @@ def get_lr(it: int, learning_rate: float, min_lr: float, warmup_iters: int, lr_d
     return min_lr + coeff * (learning_rate - min_lr)
 
 
+# The two recipes' sizes and evaluation batches; everything else is shared (see the module docstring).
+RECIPES: dict[str, dict[str, int | float]] = {
+    "cpu": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12, "dropout": 0.0,
+            "eval_iters": 20, "target": 1.886},
+    "gpu": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "batch_size": 64, "dropout": 0.2,
+            "eval_iters": 200, "target": 1.4697},
+}  # fmt: skip
+
+
+def to_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` on ``device``: through pinned memory without waiting on a GPU (nanoGPT's ``get_batch``)."""
+    if device.type == "cuda":
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)  # type: ignore[return-value]
+    return batch[0].to(device), batch[1].to(device)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak FLOP/s for ``dtype`` from Lightning's table (what the main job's ThroughputMonitor divides
+    by), None where it has none (CPUs, GPUs it does not list). Imported here, after the timed run."""
+    if device.type != "cuda":
+        return None
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    flops = get_available_flops(device, dtype if dtype != torch.float32 else "tfloat32")
+    return None if flops is None else float(flops)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", type=float, default=1.886, help="report when val loss first reaches this")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="cpu", help="nanoGPT's CPU or GPU recipe")
+    parser.add_argument("--target", type=float, default=None, help="report when val loss first reaches this")
     parser.add_argument("--max_iters", type=int, default=2000, help="iterations (and lr_decay_iters)")
     parser.add_argument("--eval_interval", type=int, default=250)
-    parser.add_argument("--eval_iters", type=int, default=20, help="batches per split and evaluation")
+    parser.add_argument("--eval_iters", type=int, default=None, help="batches per split and evaluation")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--stop_at_target", action="store_true", help="end at the first evaluation <= --target")
     parser.add_argument("--json", type=Path, default=None, help="also write the evaluations here")
+    parser.add_argument("--device", default=None, help="default: cuda for --recipe gpu, else cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="autocast dtype (default: bfloat16 for --recipe gpu; float32: no autocast)")  # fmt: skip
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the model (default: on for --recipe gpu)")  # fmt: skip
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size"):
+        parser.add_argument(f"--{name}", type=int, default=None, help="overrides the recipe's (smoke tests)")
     args = parser.parse_args(argv)
+    recipe = dict(RECIPES[args.recipe])
+    recipe.update({k: v for k in recipe if (v := getattr(args, k, None)) is not None})
+    gpu = args.recipe == "gpu"
+    device = torch.device(args.device or ("cuda" if gpu else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
+    compiled = gpu if args.compile is None else args.compile
+    target = float(recipe["target"])
+    block_size, batch_size, eval_iters = int(recipe["block_size"]), int(recipe["batch_size"]), int(recipe["eval_iters"])
 
     torch.set_num_threads(args.threads)
-    block_size, batch_size = 64, 12
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # nanoGPT's train.py
+        torch.backends.cudnn.allow_tf32 = True
     lr, min_lr, warmup, beta2, weight_decay, grad_clip = 1e-3, 1e-4, 100, 0.99, 0.1, 1.0
     torch.manual_seed(args.seed)
     vocab, train, val = load_splits()
-    config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=block_size, vocab_size=len(vocab), bias=False)
-    model = GPT(config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(  # nanoGPT's GPT.configure_optimizers: decay the 2-D tensors only
+    sizes = {k: int(recipe[k]) for k in ("n_layer", "n_head", "n_embd")}
+    config = GPTConfig(
+        **sizes, block_size=block_size, vocab_size=len(vocab), bias=False, dropout=float(recipe["dropout"])
+    )
+    raw_model = GPT(config).to(device)
+    params = [p for p in raw_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(  # nanoGPT's GPT.configure_optimizers: decay the 2-D tensors only; fused on CUDA
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ],
         lr=lr,
         betas=(0.9, beta2),
+        **({"fused": True} if device.type == "cuda" else {}),
     )
-    print(f"{model.num_parameters() / 1e6:.2f}M parameters, {args.threads} threads", file=sys.stderr)
+    model = torch.compile(raw_model) if compiled else raw_model
+    autocast = dtype != torch.float32
+
+    def ctx() -> torch.autocast:
+        return torch.autocast(device.type, dtype=dtype, enabled=autocast)
+
+    def evaluate(data: torch.Tensor) -> float:
+        with ctx():
+            return estimate_loss(model, data, block_size, batch_size, eval_iters, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{raw_model.num_parameters() / 1e6:.2f}M parameters, {name}, {dtype}, compile {compiled}, "
+          f"{args.threads} threads", file=sys.stderr)  # fmt: skip
 
     evals: list[dict] = []
+    intervals: list[tuple[int, float]] = []  # (training iterations, seconds) between consecutive evaluations
     reached: float | None = None
-    train_time = 0.0
-    x, y = get_batch(train, block_size, batch_size)
+    x, y = to_device(get_batch(train, block_size, batch_size), device)
+    started, since = time.perf_counter(), 0
     for it in range(args.max_iters + 1):
         for group in optimizer.param_groups:
             group["lr"] = get_lr(it, lr, min_lr, warmup, args.max_iters)
         if it % args.eval_interval == 0:
-            train_loss = estimate_loss(model, train, block_size, batch_size, args.eval_iters)
-            val_loss = estimate_loss(model, val, block_size, batch_size, args.eval_iters)
+            sync()
+            if it > since:
+                intervals.append((it - since, time.perf_counter() - started))
+            train_loss, val_loss = evaluate(train), evaluate(val)
             seconds = time.time() - LAUNCH
             evals.append({"step": it, "seconds": seconds, "train_loss": train_loss, "val_loss": val_loss})
             print(f"step {it:5d}  {seconds:7.1f} s  train/loss {train_loss:.4f}  val/loss {val_loss:.4f}", flush=True)
-            if reached is None and val_loss <= args.target:
+            if reached is None and val_loss <= target:
                 reached = seconds
             if it == args.max_iters or (reached is not None and args.stop_at_target):
                 break
-        t0 = time.perf_counter()
-        _, loss = model(x, y)
-        x, y = get_batch(train, block_size, batch_size)  # the next batch, as nanoGPT prefetches it
+            started, since = time.perf_counter(), it
+        with ctx():
+            _, loss = model(x, y)
+        x, y = to_device(get_batch(train, block_size, batch_size), device)  # the next batch, as nanoGPT prefetches it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        train_time += time.perf_counter() - t0
 
-    iters = evals[-1]["step"]
-    tokens_per_s = iters * batch_size * block_size / train_time
-    print(f"training steps: {tokens_per_s:,.0f} tokens/s ({1e3 * train_time / max(iters, 1):.1f} ms/step)")
-    print(f"val/loss <= {args.target}: " + (f"{reached:.1f} s after launch" if reached else "not reached"))
-    result = {"evals": evals, "target": args.target, "seconds_to_target": reached, "tokens_per_s": tokens_per_s}
+    steady = intervals[1:] or intervals  # the first interval holds the compilation and the warm-up
+    iters, train_time = sum(n for n, _ in steady), sum(t for _, t in steady)
+    tokens_per_s = iters * batch_size * block_size / train_time if train_time else None
+    ms_per_iter = 1e3 * train_time / iters if iters else None
+    peak = peak_flops(device, dtype)
+    flops_per_token = raw_model.flops_per_token()
+    mfu = tokens_per_s * flops_per_token / peak if tokens_per_s and peak else None
+    if tokens_per_s is not None:
+        first_n, first_s = intervals[0]
+        print(f"training steps: {tokens_per_s:,.0f} tokens/s ({ms_per_iter:.1f} ms/step, {iters} steps after the "
+              f"first {first_n}, which took {first_s:.1f} s)" + (f", MFU {mfu:.3f}" if mfu else ""))  # fmt: skip
+    print(f"val/loss <= {target}: " + (f"{reached:.1f} s after launch" if reached else "not reached"))
+    result = {
+        "recipe": args.recipe, "device": name, "dtype": str(dtype), "compile": compiled, "evals": evals,
+        "target": target, "seconds_to_target": reached, "tokens_per_s": tokens_per_s, "ms_per_iter": ms_per_iter,
+        "eval_iters": eval_iters, "batch_size": batch_size, "block_size": block_size,
+        "flops_per_token": flops_per_token, "peak_flops": peak, "mfu": mfu,
+        "first_interval": list(intervals[0]) if intervals else None,
+    }  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result
