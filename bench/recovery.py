@@ -1,6 +1,8 @@
 """Time to recover from a fault under torchrun: from the fault to the first optimizer step after it.
 
     python -m bench.recovery [--faults kill hang node] [--timeout 30]      (make bench-recovery)
+    python -m bench.recovery --faults kill --nproc_per_node 1 --configs configs/trainer/ddp.yaml \
+        configs/mingpt/gpu.yaml --json restart.json                          (the GPU main job: make bench-gpu)
 
 Runs the README's fault-tolerant regression step (``torchrun --standalone --nproc_per_node 2 --max-restarts 1``,
 ``configs/checkpoint/fault_tolerant.yaml``: a checkpoint every 50 steps) and, 3-6 s (drawn at random) after
@@ -19,7 +21,9 @@ training began, injects one fault from outside into a random worker:
   torchrun stops the group (SIGTERM, and SIGKILL after its 30 s shutdown grace, since a stopped process cannot
   act on SIGTERM) and restarts it.
 
-Every worker appends the wall time of each optimizer step to a file (:class:`StepClock`). Printed per fault,
+``--configs`` (with ``--nproc_per_node``, and fit arguments after ``--``) times another job the same way, e.g. the
+GPU main job on one GPU (:mod:`bench.gpu_check`). Every worker appends the wall time of each optimizer step to a
+file (:class:`StepClock`). Printed per fault,
 in seconds: fault to the first step of the restarted group, split into fault to the restarted workers' start
 (detection, timeout, shutdown) and their start to their first step (imports, process group, resume); and the
 steps repeated (done before the fault, after the checkpoint the group resumed from). Written for this
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import signal
@@ -97,8 +102,20 @@ def read_clock(directory: Path) -> tuple[list[tuple[float, int]], list[tuple[flo
 
 
 def measure(
-    fault: str, timeout_s: int, rng: random.Random, work: Path, last_call: int = 30, keep_alive: int = 5
+    fault: str,
+    timeout_s: int,
+    rng: random.Random,
+    work: Path,
+    last_call: int = 30,
+    keep_alive: int = 5,
+    configs: list[str] | None = None,
+    nproc_per_node: int = 2,
+    fit_args: list[str] | None = None,
+    log: Path | None = None,
 ) -> dict[str, float]:
+    """One ``fault`` into the job of ``configs`` (default: :data:`CONFIGS`) under torchrun, ``nproc_per_node``
+    workers (``node``: two agents of one worker each), ``fit_args`` appended, the job's output appended to ``log``
+    (None: discarded); the seconds of the module docstring."""
     clock = work / "clock"
     clock.mkdir(parents=True)
     extra = work / "clock.yaml"
@@ -110,19 +127,19 @@ def measure(
                   "--rdzv_endpoint", f"127.0.0.1:{port}",
                   "--rdzv_conf", f"last_call_timeout={last_call},keep_alive_interval={keep_alive}"]  # fmt: skip
     else:
-        launch = ["--standalone", "--nproc_per_node", "2"]
+        launch = ["--standalone", "--nproc_per_node", str(nproc_per_node)]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch,
-           "--max-restarts", "1", "-m", "lit_ddp", "fit", *(a for c in CONFIGS for a in ("--config", c)),
+           "--max-restarts", "1", "-m", "lit_ddp", "fit", *(a for c in configs or CONFIGS for a in ("--config", c)),
            "--config", str(extra), "--trainer.default_root_dir", str(work / "run"), "--trainer.max_epochs", "-1",
            "--trainer.max_steps", "10000000", "--trainer.strategy.init_args.timeout", f"0:00:{timeout_s:02d}",
-           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]  # fmt: skip
+           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+           *(fit_args or [])]  # fmt: skip
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # as the README's command
     agents = []
+    output = log.open("a") if log else subprocess.DEVNULL
     for _ in range(2 if fault == "node" else 1):
         agents.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-            )
+            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         )
         time.sleep(2)  # the first agent hosts the rendezvous store: it is not the node that is lost
     agent = agents[0]
@@ -166,29 +183,45 @@ def measure(
         subprocess.run(["pkill", "-9", "-f", str(work / "run")], check=False)  # workers: sessions of their own
         for a in agents:
             a.wait()
+        if log:
+            output.close()
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)  # fit arguments after `--`
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", nargs="+", choices=["kill", "hang", "node"], default=["kill", "hang", "node"])
     parser.add_argument("--timeout", type=int, default=30, help="the DDP collective timeout, seconds (< 60)")
     parser.add_argument("--last-call", type=int, default=30, help="node: the rendezvous' last_call_timeout, seconds")
     parser.add_argument("--keep-alive", type=int, default=5, help="node: the rendezvous' keep_alive_interval, s")
     parser.add_argument("--seed", type=int, default=None, help="replays the fault moments (printed)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="the job's configs (default: the regression's)")
+    parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun workers (kill, hang)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--log", type=Path, default=None, help="the jobs' output, appended (default: discarded)")
+    args = parser.parse_args(argv[:split])
+    fit_args = argv[split + 1 :]
+    # A time box's SIGTERM (timeout(1)) ends the measurement through its `finally`: the job's process groups go too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     print(
-        f"seed {seed}; regression under torchrun, 2 processes, collective timeout {args.timeout} s; node: "
-        f"last_call_timeout {args.last_call} s, keep_alive_interval {args.keep_alive} s"
+        f"seed {seed}; {' '.join(args.configs)} under torchrun, {args.nproc_per_node} processes, collective timeout "
+        f"{args.timeout} s; node: last_call_timeout {args.last_call} s, keep_alive_interval {args.keep_alive} s",
+        flush=True,
     )
     rng = random.Random(seed)
     print(f"{'fault':6s} {'recovery s':>11s} {'fault->restart s':>17s} {'start->step s':>14s} {'steps repeated':>15s}")
+    results = {}
     for fault in args.faults:
         with tempfile.TemporaryDirectory() as tmp:
-            r = measure(fault, args.timeout, rng, Path(tmp), args.last_call, args.keep_alive)
-        print(
-            f"{fault:6s} {r['recovery']:11.1f} {r['to_restart']:17.1f} {r['start_to_step']:14.1f} {r['repeated']:15.0f}"
-        )
+            r = measure(fault, args.timeout, rng, Path(tmp), args.last_call, args.keep_alive, args.configs,
+                        args.nproc_per_node, fit_args, args.log)  # fmt: skip
+        results[fault] = r
+        row = f"{r['recovery']:11.1f} {r['to_restart']:17.1f} {r['start_to_step']:14.1f} {r['repeated']:15.0f}"
+        print(f"{fault:6s} {row}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"seed": seed, "configs": args.configs, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
