@@ -86,10 +86,10 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, nh, T, hs) -> (B, nh, T, hs)``."""
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``(B, nh, T, hs) -> (B, nh, T, hs)``, the T at positions ``start, start + 1, ...`` (0 but in a KV cache)."""
         T = x.size(-2)
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)  # (T, hs/2)
+        cos, sin = self.cos[start : start + T].to(x.dtype), self.sin[start : start + T].to(x.dtype)  # (T, hs/2)
         x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, nh, T, hs/2)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
