@@ -1,0 +1,683 @@
+"""One GPU check in at most 7 minutes (issues 43 and 44): every part alone on the GPU, each time-boxed, one table.
+
+    make bench-gpu PYTHON=python3          # every part (the GPU image: no venv, wheels from .whl/)
+    make bench-gpu-speed PYTHON=python3    # the GPU main job against the nanoGPT reference alone
+    BENCH_GPU_PARTS="chaos_ddp generate" python3 -m bench.gpu_check    # some parts again
+    BENCH_GPU_DRY=1 python -m bench.gpu_check   # every part on the CPU, tiny sizes: the plumbing (a few minutes)
+
+The parts, in order of value (the speed figures first, so that a run cut short still gives the most):
+
+- ``main``: the GPU main job, ``lit-ddp fit --config configs/trainer/ddp.yaml --config configs/mingpt/gpu.yaml``
+  (``$BENCH_GPU_MAIN_CONFIG``), from a fresh run directory: seconds from launch to its first optimizer step and to
+  val/loss 1.70 / 1.55 / 1.50 / 1.4697 (nanoGPT's README figure for this data), best val/loss, tokens/s and MFU;
+- ``reference``: :mod:`bench.nanogpt_reference` ``--recipe gpu`` (nanoGPT's Shakespeare-char GPU recipe), stopped
+  at its first evaluation at or below 1.4697: the same marks, ms/iter, tokens/s, MFU, and whether it reproduces
+  nanoGPT's own H100 figures (14.5 ms/iter, about 80 s to 1.4697) within 10 %; then the ratio of the main job's
+  time to 1.4697 over the reference's (issue 44's target: at most 0.5);
+- ``tutorial``: the tutorial config (``configs/mingpt/tutorial.yaml`` + the DDP and GPU fragments) for a fixed
+  number of steps: tokens/s and MFU of its TokenThroughputMonitor;
+- ``restart``: the main job under ``torchrun --max-restarts 1`` on one GPU, its worker SIGKILLed mid-step:
+  seconds from the kill to the first optimizer step after it (:mod:`bench.recovery`; issue 44: at most 10 s);
+- ``determinism``: tokens/s of the tutorial model's step with and without deterministic algorithms
+  (:mod:`bench.deterministic_cost`, issue 42);
+- ``three``: three one-process tutorial fits started at once, each of which must exit within 15 s of its last
+  optimizer step; one that lingers gets a stack dump (``py-spy dump`` where installed, else faulthandler through
+  ``PYTHONFAULTHANDLER=1`` and SIGABRT) in its log;
+- ``chaos_fsdp2`` / ``chaos_ddp``: ``lit-ddp chaos`` on the tutorial model under FSDP2 (a ``term`` fault) and under
+  DDP (a ``kill`` fault), few steps: the verdict;
+- ``generate``: ``lit-ddp generate`` from the FSDP2 chaos run's sharded checkpoint, on the GPU (``--device cuda``
+  where the command has the option; else without it, as the table says).
+
+Time: each part has a box (seconds, ``BOXES``; ``$BENCH_GPU_BOX_<PART>`` overrides one); what a part leaves of
+its box goes to the next ones, and no part starts past the budget (``$BENCH_GPU_BUDGET``, 420 s: the boxes sum to
+it), counted from this script's start, so the whole check, wheels and warm-up included, ends within it. Each
+command runs under ``timeout`` (SIGTERM at the box, SIGKILL 5 s later); this process is the subreaper of every
+process the parts start, and ends whatever one of them leaves behind before the next part starts.
+
+Environment: ``PYTHON`` is not read here: this script runs under the Python it is given and starts every part with
+it (``sys.executable``). Where ``jsonargparse``, ``docstring_parser``, ``typeshed_client`` or ``torchdata`` is
+missing and ``.whl/`` holds wheels, they are installed into ``$BENCH_GPU_SITE`` (``/tmp/site``) with pip
+(no index, no dependencies) and ``PYTHONPATH`` becomes ``$BENCH_GPU_SITE:<repo>``. ``BENCH_GPU_PARTS``: the parts
+to run (names above, space- or comma-separated). ``BENCH_GPU_DRY=1``: every part on the CPU with tiny sizes and
+few steps, one thread per process, 60 s for a fit to exit (``$BENCH_GPU_LINGER_S``), larger boxes: it checks the
+plumbing, not the figures. Output: the table (markdown) at the end, and under ``$OUT`` (else ``runs/bench_gpu``)
+``table.md``, ``results.json`` and ``logs.tar.gz`` (every part's log); run directories under ``$BENCH_GPU_WORK``
+(``runs/bench_gpu/work``). Exit status 0 when every part ran and passed, else 1. This replaces ``bench/gpu_path.sh``
+(two chaos runs side by side, 8 to 10 minutes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MARKS = (1.70, 1.55, 1.50, 1.4697)  # val/loss marks; the last is nanoGPT's README figure for this data
+NANOGPT_H100 = {"ms_per_iter": 14.5, "seconds_to_mark": 80.0}  # nanoGPT's own train.py on an H100 (issue 44)
+RATIO_TARGET = 0.5  # main job / reference, time to 1.4697
+RESTART_TARGET = 10.0  # seconds from a kill to the next optimizer step
+LINGER_S = 15.0  # a fit must exit within this many seconds of its last optimizer step (the dry run: 60 s, a busy CPU)
+KILL_GRACE = 5  # timeout(1)'s -k: SIGKILL this long after the SIGTERM
+BUDGET_S = 420.0
+# Seconds per part on one H100 (a lit-ddp launch there: ~13 s of imports, 15-30 s more to the first step), in
+# order of value; they sum to BUDGET_S. The dry run's boxes are for a busy 2-core CPU.
+BOXES: dict[str, tuple[float, float]] = {  # part: (GPU box, dry-run box)
+    "setup": (25, 90),
+    "main": (75, 150),
+    "reference": (90, 120),
+    "tutorial": (35, 150),
+    "restart": (50, 200),
+    "determinism": (25, 120),
+    "three": (40, 200),
+    "chaos_fsdp2": (45, 250),
+    "generate": (20, 90),
+    "chaos_ddp": (15, 250),
+}
+PARTS = tuple(BOXES)
+SPEED_PARTS = ("main", "reference")  # make bench-gpu-speed
+WHEEL_MODULES = ("jsonargparse", "docstring_parser", "typeshed_client", "torchdata")
+DDP, FSDP, GPU = "configs/trainer/ddp.yaml", "configs/trainer/fsdp.yaml", "configs/trainer/gpu.yaml"
+TUTORIAL, FAULT_TOLERANT = "configs/mingpt/tutorial.yaml", "configs/checkpoint/fault_tolerant.yaml"
+# The dry run's fit arguments: a tiny model on the CPU (num_workers 0: loader processes cost seconds there)
+DRY_TUTORIAL = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.devices", "1",
+                "--model.init_args.model_type", "gpt-nano", "--data.init_args.batch_size", "8",
+                "--data.init_args.num_workers", "0"]  # fmt: skip
+DRY_MAIN = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.devices", "1",
+            "--model.init_args.n_layer", "2", "--model.init_args.n_head", "2", "--model.init_args.n_embd", "32",
+            "--model.init_args.compile", "false", "--model.init_args.warmup_steps", "5",
+            "--data.init_args.block_size", "32", "--data.init_args.batch_size", "8"]  # fmt: skip
+DRY_MAIN_STEPS = ["--trainer.max_steps", "20", "--trainer.val_check_interval", "10",
+                  "--trainer.limit_val_batches", "20", "--trainer.log_every_n_steps", "5"]  # fmt: skip
+REFERENCE_LINE = re.compile(r"^step\s+(\d+)\s+([\d.]+) s\s+train/loss ([\d.]+)\s+val/loss ([\d.]+)", re.M)
+
+
+@dataclass
+class Row:
+    """One line of the table: ``status`` is ``ok`` or what went wrong; ``figures`` the part's numbers in words;
+    ``data`` the same numbers for ``results.json`` and for later parts."""
+
+    part: str
+    status: str
+    figures: str = ""
+    wall: float = 0.0
+    box: float = 0.0
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    python: str
+    dry: bool
+    work: Path
+    logs: Path
+    env: dict[str, str]
+    main_config: str
+    linger_s: float = LINGER_S
+    rows: dict[str, Row] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading what the runs leave
+
+
+def read_run_clock(path: str | Path) -> dict[str, list[tuple[float, ...]]]:
+    """The events of a :class:`bench.run_clock.RunClock` file by kind: ``{"start": [(time, pid)], "step": [(time,
+    step)], "val": [(time, step, loss)], "tput": [(time, step, tokens_per_s, mfu)], "end": [(time, step)]}`` (every
+    kind present, empty where none was written or the file is missing; a half-written line is skipped)."""
+    sizes = {"start": 2, "step": 2, "val": 3, "tput": 4, "end": 2}  # fields after the kind
+    events: dict[str, list[tuple[float, ...]]] = {k: [] for k in sizes}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return events
+    for line in lines:
+        kind, *fields = line.split() or [""]
+        if len(fields) == sizes.get(kind):
+            with contextlib.suppress(ValueError):
+                events[kind].append(tuple(float(f) for f in fields))
+    return events
+
+
+def seconds_to_marks(points: list[tuple[float, float]], marks: tuple[float, ...] = MARKS) -> dict[float, float | None]:
+    """For each mark, the first ``seconds`` of ``points`` (``(seconds, loss)`` in time order) whose loss is at or
+    below it; None where none is."""
+    return {m: next((s for s, loss in points if loss <= m), None) for m in marks}
+
+
+def reference_evals(log: str) -> list[tuple[float, float]]:
+    """``(seconds after launch, val/loss)`` of every evaluation line :mod:`bench.nanogpt_reference` printed (for a
+    run its time box ended before it wrote its JSON)."""
+    return [(float(m[2]), float(m[4])) for m in REFERENCE_LINE.finditer(log)]
+
+
+def mean_after_first(values: list[float]) -> float | None:
+    """The mean of the points after the first (the first interval holds the start-up), as bench/gpu_path.sh read
+    the TokenThroughputMonitor's scalars; the only point where there is one; None for none."""
+    points = [v for v in (values[1:] or values) if not math.isnan(v)]
+    return sum(points) / len(points) if points else None
+
+
+def fmt(value: float | None, spec: str = ".1f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def marks_text(marks: dict[float, float | None]) -> str:
+    return f"val/loss {' / '.join(f'{m:g}' for m in marks)} at {' / '.join(fmt(s) for s in marks.values())} s"
+
+
+def markdown_table(rows: list[Row], header: str) -> str:
+    """The table: one line per part, its wall seconds (and box), status and figures."""
+    lines = [header, "", "| part | wall s (box) | status | figures |", "|---|---|---|---|"]
+    for r in rows:
+        figures = r.figures.replace("|", "/").replace("\n", " ")
+        wall = f"{r.wall:.0f} ({r.box:.0f})" if r.box else "-"
+        lines.append(f"| {r.part} | {wall} | {r.status} | {figures} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processes
+
+
+def become_subreaper() -> None:
+    """Makes the processes the parts leave orphaned (``lit-ddp chaos`` and torchrun start sessions of their own)
+    children of this one, so that :func:`end_leftovers` finds them (Linux ``PR_SET_CHILD_SUBREAPER``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+
+
+def descendants(root: int) -> list[tuple[int, str]]:
+    """Every process below ``root`` (from ``/proc``) with its state letter (``Z``: a zombie, waiting to be reaped)."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            children.setdefault(int(ppid), []).append((int(stat.parent.name), state))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child[0])
+    return found
+
+
+def end_leftovers(log: Path) -> list[int]:
+    """SIGKILLs every live process below this one (a part's leftovers: its box is over), reaps those that are its
+    children (zombies too: orphans come to this subreaper), and returns the live ones' pids; their command lines go
+    to ``log``."""
+    below = descendants(os.getpid())
+    live = [pid for pid, state in below if state != "Z"]
+    if live:
+        with log.open("a") as f:
+            for pid in live:
+                with contextlib.suppress(OSError):
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    f.write(f"{pid}: {cmdline.decode(errors='replace')[:300]}\n")
+    for pid in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid, _ in below:
+        with contextlib.suppress(ChildProcessError):  # only this process's children can be reaped here
+            os.waitpid(pid, 0)
+    return live
+
+
+def launch(ctx: Context, name: str, cmd: list[str], box: float, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``timeout -k 5 <box - 5> CMD`` in the repository, its output to ``<logs>/<name>.log``."""
+    log = (ctx.logs / f"{name}.log").open("w")
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    limit = max(1, int(box) - KILL_GRACE)
+    return subprocess.Popen(["timeout", "-k", str(KILL_GRACE), str(limit), *cmd], cwd=REPO, env=env or ctx.env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def wait(proc: subprocess.Popen, box: float) -> int:
+    """The command's exit status (124 or 137: its box ended it); a backstop kill past the box."""
+    try:
+        return proc.wait(timeout=box + KILL_GRACE)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def run_command(ctx: Context, name: str, cmd: list[str], box: float, env: dict[str, str] | None = None) -> int:
+    return wait(launch(ctx, name, cmd, box, env), box)
+
+
+def status_of(rc: int) -> str:
+    return "ok" if rc == 0 else "timeout" if rc in (124, 137) else f"failed (rc {rc})"
+
+
+def log_text(ctx: Context, name: str) -> str:
+    try:
+        return (ctx.logs / f"{name}.log").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def fresh(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def clock_args(path: Path) -> list[str]:
+    return ["--trainer.callbacks+=bench.run_clock.RunClock", f"--trainer.callbacks.init_args.path={path}"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parts: each takes the context and its box (seconds) and returns its row
+
+
+def part_setup(ctx: Context, box: float) -> Row:
+    """The wheels the image lacks, then the imports of a launch once (reading the libraries from disk), so that the
+    first timed launch (the main job) does not pay a cold page cache that the reference after it would not."""
+    t0 = time.monotonic()
+    gpu = "no GPU"
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+        smi = subprocess.run(query, capture_output=True, text=True, timeout=30)
+        gpu = smi.stdout.strip().replace("\n", "; ") or smi.stderr.strip()
+    missing = [m for m in WHEEL_MODULES if importlib.util.find_spec(m) is None]
+    notes = [gpu]
+    site = os.environ.get("BENCH_GPU_SITE", "/tmp/site")
+    wheels = sorted((REPO / ".whl").glob("*.whl"))
+    if missing and wheels:
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+               "--no-cache-dir", "--upgrade", "--target", site, *map(str, wheels)]  # fmt: skip
+        rc = run_command(ctx, "setup_wheels", pip, box - (time.monotonic() - t0))
+        if rc != 0:
+            return Row("setup", f"failed (pip rc {rc})", "; ".join(notes), data={"gpu": gpu})
+        ctx.env["PYTHONPATH"] = os.pathsep.join([site, ctx.env["PYTHONPATH"]])  # the repository's path follows
+        notes.append(f"installed {len(wheels)} wheels into {site} (missing: {', '.join(missing)})")
+    elif missing:
+        return Row("setup", f"failed: no {', '.join(missing)} and no .whl/", gpu, data={"gpu": gpu})
+    warm = [sys.executable, "-c", "import lit_ddp.cli, torch._inductor.compile_fx"]
+    rc = run_command(ctx, "setup_imports", warm, box - (time.monotonic() - t0))
+    notes.append(f"imports warmed in {time.monotonic() - t0:.0f} s")
+    notes.append(versions())
+    return Row("setup", status_of(rc), "; ".join(notes), data={"gpu": gpu, "missing": missing})
+
+
+def versions() -> str:
+    """Python's, torch's and Lightning's versions (from the packages' metadata: no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = [f"Python {sys.version.split()[0]}"]
+    for name in ("torch", "lightning"):
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            out.append(f"no {name}")
+    return ", ".join(out)
+
+
+def part_main(ctx: Context, box: float) -> Row:
+    if not (REPO / ctx.main_config).is_file():
+        return Row("main", "missing config", f"{ctx.main_config} does not exist")
+    run, clock = fresh(ctx.work / "main"), ctx.work / "main.clock"
+    clock.unlink(missing_ok=True)
+    cmd = [ctx.python, "-m", "lit_ddp", "fit", "--config", DDP, "--config", ctx.main_config,
+           "--trainer.default_root_dir", str(run), *clock_args(clock),
+           *(DRY_MAIN + DRY_MAIN_STEPS if ctx.dry else [])]  # fmt: skip
+    launched = time.time()
+    rc = run_command(ctx, "main", cmd, box)
+    ev = read_run_clock(clock)
+    vals = [(t - launched, loss) for t, _, loss in ev["val"]]
+    marks = seconds_to_marks(vals)
+    first = ev["step"][0][0] - launched if ev["step"] else None
+    best = min(ev["val"], key=lambda e: e[2]) if ev["val"] else None
+    tokens = mean_after_first([e[2] for e in ev["tput"]])
+    mfu = mean_after_first([e[3] for e in ev["tput"]])
+    steps = int(ev["step"][-1][1]) if ev["step"] else 0
+    figures = (
+        f"{ctx.main_config}: launch to step 1 {fmt(first)} s; {marks_text(marks)}; best val/loss "
+        f"{fmt(best and best[2], '.4f')} (step {fmt(best and best[1], '.0f')}); {fmt(tokens, ',.0f')} tokens/s; "
+        f"MFU {fmt(mfu, '.3f')}; {steps} steps"
+    )
+    status = status_of(rc)
+    if status == "ok" and marks[MARKS[-1]] is None:
+        status = f"ok, {MARKS[-1]} not reached"
+    data = {"marks": marks, "first_step_s": first, "best_val_loss": best and best[2], "tokens_per_s": tokens,
+            "mfu": mfu, "steps": steps}  # fmt: skip
+    return Row("main", status, figures, data=data)
+
+
+def part_reference(ctx: Context, box: float) -> Row:
+    out = ctx.work / "reference.json"
+    out.unlink(missing_ok=True)
+    cmd = [ctx.python, "-m", "bench.nanogpt_reference", "--recipe", "gpu", "--stop_at_target", "--json", str(out)]
+    if ctx.dry:
+        cmd += ["--device", "cpu", "--dtype", "float32", "--no-compile", "--n_layer", "2", "--n_head", "2",
+                "--n_embd", "32", "--block_size", "32", "--batch_size", "8", "--max_iters", "40",
+                "--eval_interval", "10", "--eval_iters", "2", "--threads", "1"]  # fmt: skip
+    rc = run_command(ctx, "reference", cmd, box)
+    result = json.loads(out.read_text()) if out.is_file() else {}
+    evals = (
+        [(e["seconds"], e["val_loss"]) for e in result["evals"]]
+        if result
+        else reference_evals(log_text(ctx, "reference"))
+    )
+    marks = seconds_to_marks(evals)
+    ms, tokens, mfu = result.get("ms_per_iter"), result.get("tokens_per_s"), result.get("mfu")
+    eval_iters = result.get("eval_iters", 2 if ctx.dry else 200)
+    to_mark = marks[MARKS[-1]]
+    gpu = ctx.rows["setup"].data.get("gpu", "") if "setup" in ctx.rows else ""
+    if ms is not None and to_mark is not None and "H100" in gpu:
+        within = all(
+            abs(v / NANOGPT_H100[k] - 1) <= 0.10 for k, v in (("ms_per_iter", ms), ("seconds_to_mark", to_mark))
+        )
+        check = "reproduces" if within else "does NOT reproduce"
+        check += " nanoGPT's H100 figures (14.5 ms/iter, ~80 s) within 10 %"
+    else:
+        check = "nanoGPT's H100 figures (14.5 ms/iter, ~80 s to 1.4697) not compared (no H100 or no figures)"
+    figures = (
+        f"nanoGPT GPU recipe: {marks_text(marks)}; {fmt(ms)} ms/iter; {fmt(tokens, ',.0f')} tokens/s; "
+        f"MFU {fmt(mfu, '.3f')}; eval {eval_iters} batches per split; {check}"
+    )
+    status = status_of(rc)
+    if status == "ok" and to_mark is None:
+        status = f"ok, {MARKS[-1]} not reached"
+    data = {"marks": marks, "ms_per_iter": ms, "tokens_per_s": tokens, "mfu": mfu, "eval_iters": eval_iters}
+    return Row("reference", status, figures, data=data)
+
+
+def ratio_row(ctx: Context) -> Row | None:
+    """Main job over reference, seconds from launch to 1.4697 (and to the other marks)."""
+    main, ref = ctx.rows.get("main"), ctx.rows.get("reference")
+    if main is None or ref is None:
+        return None
+    parts = []
+    for m in MARKS:
+        a, b = main.data.get("marks", {}).get(m), ref.data.get("marks", {}).get(m)
+        parts.append(fmt(a / b if a is not None and b else None, ".2f"))
+    ratio = parts[-1]
+    status = (
+        "-" if ratio == "-" else ("PASS" if float(ratio) <= RATIO_TARGET else "FAIL") + f" (target <= {RATIO_TARGET})"
+    )
+    figures = f"main / reference, time to val/loss {' / '.join(f'{m:g}' for m in MARKS)}: {' / '.join(parts)}"
+    return Row("ratio", status, figures)
+
+
+def part_tutorial(ctx: Context, box: float) -> Row:
+    run, clock = fresh(ctx.work / "tutorial"), ctx.work / "tutorial.clock"
+    clock.unlink(missing_ok=True)
+    steps, every = (20, 5) if ctx.dry else (100, 20)
+    cmd = [ctx.python, "-m", "lit_ddp", "fit", "--config", DDP, "--config", TUTORIAL, "--config", GPU,
+           "--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", str(every),
+           "--trainer.default_root_dir", str(run), *clock_args(clock), *(DRY_TUTORIAL if ctx.dry else [])]  # fmt: skip
+    launched = time.time()
+    rc = run_command(ctx, "tutorial", cmd, box)
+    ev = read_run_clock(clock)
+    tokens = mean_after_first([e[2] for e in ev["tput"]])
+    mfu = mean_after_first([e[3] for e in ev["tput"]])
+    first = ev["step"][0][0] - launched if ev["step"] else None
+    figures = (
+        f"{fmt(tokens, ',.0f')} tokens/s, MFU {fmt(mfu, '.3f')} (mean of {max(len(ev['tput']) - 1, 0)} logged points "
+        f"after the first, every {every} steps; target MFU >= 0.30); launch to step 1 {fmt(first)} s; "
+        f"{int(ev['step'][-1][1]) if ev['step'] else 0} of {steps} steps"
+    )
+    return Row("tutorial", status_of(rc), figures, data={"tokens_per_s": tokens, "mfu": mfu})
+
+
+def part_restart(ctx: Context, box: float) -> Row:
+    if not (REPO / ctx.main_config).is_file():
+        return Row("restart", "missing config", f"{ctx.main_config} does not exist")
+    out = ctx.work / "restart.json"
+    out.unlink(missing_ok=True)
+    cmd = [ctx.python, "-m", "bench.recovery", "--faults", "kill", "--nproc_per_node", "1", "--seed", "1",
+           "--configs", DDP, ctx.main_config, "--json", str(out), "--log", str(ctx.logs / "restart_job.log"), "--",
+           "--trainer.devices", "1",
+           *(DRY_MAIN if ctx.dry else [])]  # fmt: skip
+    rc = run_command(ctx, "restart", cmd, box)
+    r = json.loads(out.read_text())["results"]["kill"] if out.is_file() else {}
+    figures = (
+        f"SIGKILL to the next optimizer step {fmt(r.get('recovery'))} s (target <= {RESTART_TARGET:g}): to the "
+        f"restarted worker's start {fmt(r.get('to_restart'))} s, start to step {fmt(r.get('start_to_step'))} s; "
+        f"steps repeated {fmt(r.get('repeated'), '.0f')}"
+    )
+    status = status_of(rc) if rc != 0 or r else "failed (no result)"
+    if status == "ok" and r.get("recovery") is not None and r["recovery"] > RESTART_TARGET:
+        status = f"ok, over {RESTART_TARGET:g} s"
+    return Row("restart", status, figures, data=r)
+
+
+def part_determinism(ctx: Context, box: float) -> Row:
+    out = ctx.work / "determinism.json"
+    out.unlink(missing_ok=True)
+    cmd = [ctx.python, "-m", "bench.deterministic_cost", "--json", str(out)]
+    cmd += ["--device", "cpu", "--tiny", "--rounds", "2"] if ctx.dry else []
+    rc = run_command(ctx, "determinism", cmd, box)
+    r = json.loads(out.read_text()) if out.is_file() else {}
+    figures = (
+        f"{r.get('model_type', 'tutorial')} step, {r.get('steps', '-')} steps per mode: default "
+        f"{fmt(r.get('tokens_per_s'), ',.0f')} tokens/s, deterministic "
+        f"{fmt(r.get('deterministic_tokens_per_s'), ',.0f')} tokens/s: {fmt(r.get('ratio'), '.3f')}x"
+    )
+    return Row("determinism", status_of(rc) if rc != 0 or r else "failed (no result)", figures, data=r)
+
+
+def stack_dump(pid: int, log: Path) -> str:
+    """A lingering process's stacks into ``log``: ``py-spy dump`` where installed (the process lives on), else
+    SIGABRT, which faulthandler (``PYTHONFAULTHANDLER=1``) turns into every thread's traceback on stderr."""
+    if shutil.which("py-spy"):
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
+        with log.open("a") as f:
+            f.write("\n==== py-spy dump (bench.gpu_check: lingering) ====\n" + dump.stdout + dump.stderr)
+        return "py-spy"
+    try:
+        os.kill(pid, signal.SIGABRT)
+    except ProcessLookupError:
+        return "gone"
+    return "faulthandler"
+
+
+def part_three(ctx: Context, box: float) -> Row:
+    """Three one-process tutorial fits at once; each must exit within LINGER_S of its last optimizer step."""
+    steps = 10 if ctx.dry else 30
+    env = {**ctx.env, "PYTHONFAULTHANDLER": "1"}
+    jobs = []
+    t0 = time.monotonic()
+    for i in (1, 2, 3):
+        run, clock = fresh(ctx.work / f"three{i}"), ctx.work / f"three{i}.clock"
+        clock.unlink(missing_ok=True)
+        cmd = [ctx.python, "-m", "lit_ddp", "fit", "--config", DDP, "--config", TUTORIAL, "--config", GPU,
+               "--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(run),
+               *clock_args(clock), *(DRY_TUTORIAL if ctx.dry else [])]  # fmt: skip
+        jobs.append({"proc": launch(ctx, f"three{i}", cmd, box, env), "clock": clock, "exit": None, "dump": None})
+    while any(j["exit"] is None for j in jobs):
+        now = time.time()
+        for i, j in enumerate(jobs, 1):
+            if j["exit"] is not None:
+                continue
+            if j["proc"].poll() is not None:
+                j["exit"] = now
+                continue
+            ev = read_run_clock(j["clock"])
+            done = [t for t, s in ev["step"] if s >= steps] or [t for t, _ in ev["end"]]
+            late = (done and now - done[0] > ctx.linger_s) or time.monotonic() - t0 > box - KILL_GRACE - 3
+            if late and j["dump"] is None and ev["start"]:
+                j["dump"] = stack_dump(int(ev["start"][0][1]), ctx.logs / f"three{i}.log")
+        if time.monotonic() - t0 > box + KILL_GRACE:
+            break
+        time.sleep(0.2)
+    exits, lines, ok = [], [], True
+    for i, j in enumerate(jobs, 1):
+        rc = wait(j["proc"], 1)
+        ev = read_run_clock(j["clock"])
+        last = ev["step"][-1][0] if ev["step"] else None
+        after = None if last is None or j["exit"] is None else j["exit"] - last
+        exits.append(after)
+        good = rc == 0 and after is not None and after <= ctx.linger_s and j["dump"] is None
+        ok &= good
+        if not good:
+            lines.append(
+                f"job {i}: rc {rc}, {len(ev['step'])} steps"
+                + (f", stacks ({j['dump']}) in three{i}.log" if j["dump"] else "")
+            )
+    figures = (
+        f"exit after the last step {' / '.join(fmt(e) for e in exits)} s (limit {ctx.linger_s:g}); {steps} steps each"
+    )
+    figures += ("; " + "; ".join(lines)) if lines else ""
+    return Row("three", "ok" if ok else "FAIL", figures, data={"exit_after_last_step": exits})
+
+
+def part_chaos(ctx: Context, box: float, strategy: str, kind: str, name: str) -> Row:
+    root = fresh(ctx.work / name)
+    steps, every = (24, 6) if ctx.dry else (100, 20)
+    cmd = [ctx.python, "-m", "lit_ddp", "chaos", "--launcher", "single", "--faults", "1", "--kinds", kind,
+           "--seed", "1", "--root", str(root), "--timeout", str(int(box)), "--", "--config", strategy,
+           "--config", TUTORIAL, "--config", FAULT_TOLERANT, "--config", GPU, "--trainer.devices", "1", "--trainer.max_steps", str(steps),
+           "--checkpoint.every_n_train_steps", str(every), *(DRY_TUTORIAL if ctx.dry else [])]  # fmt: skip
+    rc = run_command(ctx, name, cmd, box)
+    log = log_text(ctx, name)
+    verdict = next((line for line in log.splitlines() if line.startswith(("identical", "DIFFERENT"))), "")
+    cost = next((line for line in log.splitlines() if line.startswith("the faults cost")), "")
+    failure = next((line for line in log.splitlines() if line.startswith("lit-ddp chaos:") and "seed" not in line), "")
+    figures = f"{strategy.rsplit('/', 1)[-1]}, 1 {kind} fault, {steps} steps, checkpoint every {every}: " + (
+        "; ".join(filter(None, [verdict, cost, failure])) or "no verdict"
+    )
+    status = "identical" if rc == 0 and verdict.startswith("identical") else status_of(rc)
+    return Row(name, status if status != "ok" else "ok, no verdict line", figures, data={"verdict": verdict})
+
+
+def part_generate(ctx: Context, box: float) -> Row:
+    """``lit-ddp generate`` on the GPU from the FSDP2 chaos run's checkpoint (another run's where that one is
+    missing: the table names it)."""
+    names = ["chaos_fsdp2/faulted", "chaos_fsdp2/reference", "chaos_ddp/faulted", "three1", "tutorial"]
+    ckpt = next((p for n in names if (p := ctx.work / n / "checkpoints" / "last.ckpt").exists()), None)
+    if ckpt is None:
+        return Row("generate", "no checkpoint", f"none of {', '.join(names)} under {ctx.work} holds last.ckpt")
+    device = "cpu" if ctx.dry else "cuda"
+    base = [ctx.python, "-m", "lit_ddp", "generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "200"]
+    t0 = time.monotonic()
+    rc = run_command(ctx, "generate", [*base, "--device", device], box)
+    how = f"--device {device}"
+    if rc == 2 and "device" in log_text(ctx, "generate"):  # no such option yet: the command's own choice
+        how = "no --device option: the command's default device"
+        rc = run_command(ctx, "generate", base, box - (time.monotonic() - t0))
+    text = log_text(ctx, "generate").splitlines()[1:]
+    sample = " ".join(line.strip() for line in text if line.strip())[:60]
+    seconds = time.monotonic() - t0
+    figures = f"{ckpt.relative_to(ctx.work)}, {how}, 200 tokens in {seconds:.1f} s (with the launch): {sample!r}"
+    return Row("generate", status_of(rc), figures)
+
+
+RUNNERS: dict[str, Callable[[Context, float], Row]] = {
+    "setup": part_setup,
+    "main": part_main,
+    "reference": part_reference,
+    "tutorial": part_tutorial,
+    "restart": part_restart,
+    "determinism": part_determinism,
+    "three": part_three,
+    "chaos_fsdp2": lambda ctx, box: part_chaos(ctx, box, FSDP, "term", "chaos_fsdp2"),
+    "generate": part_generate,
+    "chaos_ddp": lambda ctx, box: part_chaos(ctx, box, DDP, "kill", "chaos_ddp"),
+}
+
+
+def chosen_parts(spec: str | None) -> list[str]:
+    """The parts ``spec`` names (space- or comma-separated), in the table's order, with ``setup`` first; every part
+    for None or an empty spec.
+
+    Raises:
+        ValueError: a name that is no part.
+    """
+    names = [n for n in re.split(r"[\s,]+", spec or "") if n]
+    if unknown := [n for n in names if n not in PARTS]:
+        raise ValueError(f"BENCH_GPU_PARTS: unknown part(s) {', '.join(unknown)}; parts: {', '.join(PARTS)}")
+    return [p for p in PARTS if not names or p in names or p == "setup"]
+
+
+def main() -> int:
+    started = time.monotonic()
+    dry = os.environ.get("BENCH_GPU_DRY", "") not in ("", "0")
+    try:
+        parts = chosen_parts(os.environ.get("BENCH_GPU_PARTS"))
+    except ValueError as e:
+        print(f"bench.gpu_check: {e}", file=sys.stderr)
+        return 2
+    budget = float(os.environ.get("BENCH_GPU_BUDGET", sum(b[1] for b in BOXES.values()) if dry else BUDGET_S))
+    out = Path(os.environ.get("OUT") or REPO / "runs" / "bench_gpu")
+    work = Path(os.environ.get("BENCH_GPU_WORK") or REPO / "runs" / "bench_gpu" / "work")
+    logs = work / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    for d in (out, logs):
+        d.mkdir(parents=True, exist_ok=True)
+    main_config = os.environ.get("BENCH_GPU_MAIN_CONFIG", "configs/mingpt/gpu.yaml")
+    if dry and "BENCH_GPU_MAIN_CONFIG" not in os.environ and not (REPO / main_config).is_file():
+        main_config = "configs/mingpt/cpu.yaml"  # the plumbing, until configs/mingpt/gpu.yaml exists
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    if dry:
+        env.setdefault("OMP_NUM_THREADS", "1")  # the dry run's processes share a small CPU: one thread each
+    linger = float(os.environ.get("BENCH_GPU_LINGER_S", 60 if dry else LINGER_S))
+    ctx = Context(sys.executable, dry, work, logs, env, main_config, linger)
+    become_subreaper()
+    print(f"bench.gpu_check: {'DRY RUN on the CPU, ' if dry else ''}parts {' '.join(parts)}; budget {budget:.0f} s; "
+          f"logs under {logs}", flush=True)  # fmt: skip
+    carry = 0.0
+    for part in parts:
+        nominal = float(os.environ.get(f"BENCH_GPU_BOX_{part.upper()}", BOXES[part][1 if dry else 0]))
+        left = budget - (time.monotonic() - started) - 3  # the table's seconds
+        box = min(nominal + carry, left)
+        if box < 10:
+            ctx.rows[part] = Row(part, "skipped: budget spent", box=max(box, 0))
+            print(f"== {part}: skipped (budget spent)", flush=True)
+            continue
+        t0 = time.monotonic()
+        try:
+            row = RUNNERS[part](ctx, box)
+        except Exception as e:  # one part's bug must not cost the table
+            row = Row(part, f"error: {type(e).__name__}", str(e)[:300])
+        leftovers = end_leftovers(logs / f"{part}_leftovers.log")
+        row.wall, row.box = time.monotonic() - t0, box
+        if leftovers:
+            row.figures += f" ({len(leftovers)} leftover processes killed)"
+        ctx.rows[part] = row
+        carry = max(0.0, nominal + carry - row.wall)
+        print(f"== {part}: {row.wall:.0f} s of {box:.0f}, {row.status}", flush=True)
+    rows = [ctx.rows[p] for p in parts if p in ctx.rows]
+    if (ratio := ratio_row(ctx)) is not None:
+        rows.insert([r.part for r in rows].index("reference") + 1, ratio)
+    total = time.monotonic() - started
+    gpu = ctx.rows["setup"].data.get("gpu", "?") if "setup" in ctx.rows else "?"
+    header = (f"## bench.gpu_check{' (DRY RUN: CPU, tiny sizes)' if dry else ''}: {gpu}; {total:.0f} s of a "
+              f"{budget:.0f} s budget; main job config {main_config}")  # fmt: skip
+    table = markdown_table(rows, header)
+    (out / "table.md").write_text(table)
+    results = {r.part: {"status": r.status, "wall": r.wall, "box": r.box, "figures": r.figures, "data": r.data}
+               for r in rows}  # fmt: skip
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(logs, arcname="logs")
+        for clock in work.glob("*.clock"):
+            tar.add(clock, arcname=f"logs/{clock.name}")
+        for job in work.glob("chaos_*/*.log"):  # lit-ddp chaos's jobs: reference.log, faulted.log
+            tar.add(job, arcname=f"logs/{job.parent.name}_{job.name}")
+    print("\n" + table, flush=True)
+    good = ("ok", "identical", "PASS")
+    return 0 if all(r.status.startswith(good) for r in rows if r.part != "ratio") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
