@@ -1,33 +1,33 @@
-"""Every use of Lightning's and torch's private internals, in one place.
+"""Lightning's private internals that the package uses: its loops' positions and restart counts, its connectors,
+callbacks' private state, and the bugs of Lightning 2.6 this package mends.
 
-Lightning 2.6 and torch 2.13 have no public API for these; each function names what it works around
-(an upstream issue or PR where there is one) and ``tests/unit/test_compat.py`` checks that the internal is
-still there and, where it works around a bug, that the bug still is: the day an upgrade changes one, a test
-says which workaround to revisit or remove. ``pyproject.toml`` pins ``lightning`` to the tested minor version
-for this reason. Nothing else in the package touches another object's ``_private`` attribute.
+Lightning 2.6 has no public API for these; each function names what it works around (an upstream issue or PR
+where there is one). A workaround of a bug states the versions known to have it and is off on any other (its
+flag below), or checks the state it mends and does nothing where it is right; ``tests/unit/test_compat.py`` shows
+on any version whether each bug is still there. Private names are imported where used
+(:func:`~lit_ddp.compat.imports.private`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, cast
 
-import torch.distributed as dist
 from lightning.fabric.strategies import model_parallel as lightning_model_parallel
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
-from lightning.fabric.utilities.cloud_io import _is_object_storage
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lit_ddp.compat.imports import lightning_minor, private
+
+LIGHTNING_RECOUNTS_EPOCH_END = lightning_minor(2, 6)
+""":func:`undo_epoch_end_recount`'s bug: measured on Lightning 2.6.6; off on another minor until its test_compat
+run shows the bug there."""
+LIGHTNING_REKEYS_BY_MODEL_ORDER = lightning_minor(2, 6)
+""":func:`optimizer_states_numbered_by_their_groups`' bug: measured on Lightning 2.6.6, as above."""
 
 # ---- the training loop's position
 
@@ -77,10 +77,11 @@ def undo_epoch_end_recount(trainer: Trainer) -> None:
     the sampler of every later epoch gets the next epoch's order (``set_epoch(epoch_progress.current.processed)``).
     Its ``_batches_that_stepped`` then gains one too, or not, depending on where validation ran
     (:func:`set_batches_that_stepped` puts it right). Called at ``on_train_start``; does nothing for any other
-    restart. No upstream issue reports it; ``tests/unit/test_compat.py`` shows the recount is still there.
+    restart, and on a Lightning outside :data:`LIGHTNING_RECOUNTS_EPOCH_END` (it would take back a count made
+    once). No upstream issue reports it; ``tests/unit/test_compat.py`` shows whether the recount is there.
     """
     fit_loop = trainer.fit_loop
-    if fit_loop.restarted_on_epoch_end and fit_loop._iteration_based_training():
+    if LIGHTNING_RECOUNTS_EPOCH_END and fit_loop.restarted_on_epoch_end and fit_loop._iteration_based_training():
         # The fit loop's trackers are _ProcessedTrackers; Lightning annotates them as _ReadyCompletedTrackers.
         fit_loop.epoch_progress.total.processed -= 1  # type: ignore[attr-defined]
         fit_loop.epoch_progress.current.processed -= 1  # type: ignore[attr-defined]
@@ -97,8 +98,9 @@ def start_the_epoch_after_a_last_batch_restart(trainer: Trainer) -> bool:
     is processed, which the next restart reads as no restart at all: it trains that epoch again from its first batch
     on top of the saved global_step (a 28-batch epoch resumed after batch 26: 26 extra steps, every later epoch off).
     Called at ``on_train_start``, after the restore; it clears the restart on the fit loop only, so the next epoch
-    starts as in an uninterrupted run. No upstream issue reports it; ``tests/unit/test_compat.py`` shows it is
-    still there.
+    starts as in an uninterrupted run. Measured on Lightning 2.6.6; it acts only on the state the bug leaves (a
+    "mid-epoch" restart whose epoch is processed as often as started), so a Lightning that starts that epoch turns
+    it off. No upstream issue reports it; ``tests/unit/test_compat.py`` shows whether it is there.
     """
     fit_loop = trainer.fit_loop
     progress = fit_loop.epoch_progress.current
@@ -126,8 +128,8 @@ def disable_sigterm_broadcast(trainer: Trainer) -> bool:
 
     Since Lightning 2.6 the training loop broadcasts rank zero's "SIGTERM received" flag before every step
     and reads it on the CPU (``_broadcast_sigterm_tensor``, Lightning PR 20825): a blocking collective per step
-    (Lightning issue 21487; PR 21640 proposes an interval). Only called while our own handler owns SIGTERM,
-    when Lightning's flag can never be set.
+    (Lightning issue 21487, open on 2.6.6; PR 21640 proposes an interval). Only called while our own handler owns
+    SIGTERM, when Lightning's flag can never be set; a Lightning without the broadcast leaves nothing to turn off.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
@@ -161,7 +163,7 @@ def after_lightning_signal_handlers(trainer: Trainer, install: Callable[[], None
 def show_resumed_epoch(trainer: Trainer, batch_idx: int) -> None:
     """Give the progress bar of an epoch resumed mid-way its epoch, total and ETA, starting at ``batch_idx``.
 
-    Lightning >= 2.5 skips ``on_train_epoch_start`` when it resumes mid-epoch, and that hook is where
+    Lightning from 2.5 (2.6.6 measured) skips ``on_train_epoch_start`` when it resumes mid-epoch, and that hook is where
     ``TQDMProgressBar`` sets the epoch's total and description, so the resumed epoch shows ``Training: | 160/?``
     without an ETA (Lightning-AI/pytorch-lightning#20603; fix proposed in #21806). Call it at the resumed
     epoch's first batch; it does nothing where the hook ran (the bar has a total) or another bar is used. The
@@ -201,14 +203,17 @@ def restore_train_loaders(trainer: Trainer, states: list[dict[str, Any]], epoch:
 
     Lightning rebuilds the iterator before it sets the sampler's epoch, so the rest of the epoch comes from
     epoch 0's permutation, and skips the loader state altogether when ``trainer.estimated_stepping_batches``
-    was read before the restore (Lightning issue 20550). Returns whether there was a loader to restore.
+    was read before the restore (Lightning issue 20550; both measured on Lightning 2.6.6). It also restores this
+    rank's own states, where Lightning restores rank zero's on every rank, so it runs on any version: where Lightning
+    restored right, it builds the same iterator again. Returns whether there was a loader to restore.
     """
     fit_loop = trainer.fit_loop
     combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
     if combined_loader is None or fetcher is None:
         return False
+    set_sampler_epoch = private("lightning.fabric.utilities.data", "_set_sampler_epoch")
     for dl in combined_loader.flattened:
-        _set_sampler_epoch(dl, epoch)
+        set_sampler_epoch(dl, epoch)
     combined_loader._load_state_dicts(states)
     fit_loop._combined_loader_states_to_load = []
     iter(fetcher)  # a fresh iterator from the restored position
@@ -220,12 +225,12 @@ def restore_train_loaders(trainer: Trainer, states: list[dict[str, Any]], epoch:
 
 def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
     """torch, numpy, Python (and CUDA) RNG states of this process: Lightning's ``_collect_rng_states``."""
-    return _collect_rng_states(include_cuda=include_cuda)
+    return private("lightning.fabric.utilities.seed", "_collect_rng_states")(include_cuda=include_cuda)
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
     """Restores what :func:`collect_rng_states` returned: Lightning's ``_set_rng_states``."""
-    _set_rng_states(states)
+    private("lightning.fabric.utilities.seed", "_set_rng_states")(states)
 
 
 # ---- checkpoints
@@ -244,7 +249,9 @@ def install_resume_resolver(trainer: Trainer, marker: str, resolve: Callable[[],
     ``"hpc"``) are made per rank, by file name or time.
     """
 
-    class _ResolvingConnector(_CheckpointConnector):
+    connector: Any = private("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector")
+
+    class _ResolvingConnector(connector):
         def resume_start(self, checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
             if checkpoint_path == marker:
                 checkpoint_path = resolve()
@@ -277,20 +284,10 @@ def wait_for_async_writes(checkpoint_io: Any) -> None:
 
 def is_object_storage(fs: Any) -> bool:
     """Whether an fsspec filesystem is an object store (s3, gs, az...): Lightning's own test."""
-    return bool(_is_object_storage(fs))
+    return bool(private("lightning.fabric.utilities.cloud_io", "_is_object_storage")(fs))
 
 
-# ---- process groups
-
-
-def default_store() -> Any:
-    """The default process group's store (torch's ``_get_default_store``): a key-value exchange that works
-    while collectives cannot (a peer died)."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("no default process group")
-    return _get_default_store()
+# ---- strategies
 
 
 def strategy_timeout(strategy: Any) -> timedelta | None:
@@ -324,8 +321,9 @@ def threads_like_rank_zero(num_processes: int) -> None:
     others with every CPU (``DDPStrategy`` configures its launcher in every process). The ranks' kernels then
     reduce in different orders: under tensor parallelism the parameters every rank holds whole drift apart, and a
     sharded checkpoint, which keeps one rank's copy, resumed off the uninterrupted run. Where the launcher set
-    ``OMP_NUM_THREADS`` (torchrun, ``slurm/*.sbatch``) nothing changes."""
-    _set_num_threads_if_needed(num_processes=num_processes)
+    ``OMP_NUM_THREADS`` (torchrun, ``slurm/*.sbatch``), or a fixed Lightning's launcher did, nothing changes.
+    Measured on Lightning 2.6.6."""
+    private("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed")(num_processes=num_processes)
 
 
 @contextmanager
@@ -333,7 +331,12 @@ def optimizer_states_numbered_by_their_groups(model: Any, optimizers: list[Any])
     """While it lasts, ``ModelParallelStrategy`` reads a single-file checkpoint's numbered optimizer states (DDP's)
     in the order of ``optimizers``' groups, as torch numbers them. A bug: Lightning's private
     ``_rekey_optimizer_state_if_needed`` numbers ``model.parameters()`` (``FSDP.rekey_optim_state_dict``,
-    pytorch#113673): groups in another order (decay / no-decay, Muon + AdamW) get other parameters' state."""
+    pytorch#113673): groups in another order (decay / no-decay, Muon + AdamW) get other parameters' state.
+    Measured on Lightning 2.6.6; Lightning's own function stays on another minor
+    (:data:`LIGHTNING_REKEYS_BY_MODEL_ORDER`)."""
+    if not LIGHTNING_REKEYS_BY_MODEL_ORDER:
+        yield
+        return
     names = {param: name for name, param in model.named_parameters()}
     pending, original = list(optimizers), lightning_model_parallel._rekey_optimizer_state_if_needed
 
@@ -352,49 +355,10 @@ def optimizer_states_numbered_by_their_groups(model: Any, optimizers: list[Any])
         lightning_model_parallel._rekey_optimizer_state_if_needed = original
 
 
-def dcp_storage_extents(metadata: Any) -> dict[str, int]:
-    """The bytes each storage file of a Distributed Checkpoint must hold at least: its entries' ``offset + length``
-    (DCP's ``Metadata.storage_data`` maps each tensor to a private ``_StorageInfo``), by file name."""
-    extents: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
-    return extents
-
-
-def strided_shard(dim: int, split_factor: int) -> Any:
-    """DTensor's private ``_StridedShard`` placement: ``dim`` cut into ``split_factor`` equal parts, each sharded over
-    the mesh dimension, every rank holding its slice of each part. The tensor-parallel layout of a fused q, k, v
-    projection (a rank's heads of q, of k and of v); the only placement torch has for it, made for FSDP2 + TP."""
-    return _StridedShard(dim, split_factor=split_factor)
-
-
-def is_strided_shard(placement: Any) -> bool:
-    """Whether ``placement`` is DTensor's private ``_StridedShard`` (:func:`strided_shard`): its class is private, and
-    it is no ``Shard`` subclass (``is_shard()`` is False for it)."""
-    return isinstance(placement, _StridedShard)
-
-
-def set_process_group_timeout(timeout: timedelta) -> None:
-    """Sets the default process group's timeout for the collectives that follow (torch's ``_set_pg_timeout``,
-    gloo and NCCL; a no-op without a group)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(timeout)
-
-
-def exit_now(code: int) -> None:
-    """Ends the process at once (``os._exit``), without cleanup that would wait on a dead peer's collectives."""
-    os._exit(code)
-
-
-# ---- TensorBoard
-
-
-def tensorboard_file_writer(summary_writer: Any) -> Any:
-    """The ``FileWriter`` behind torch's ``SummaryWriter``, for events it has no method for (an HParams summary
-    without values, a ``SessionLog.START`` purge marker)."""
-    return summary_writer._get_file_writer()
+# ---- loggers
 
 
 def flatten_hparams(params: Any) -> dict[str, Any]:
     """Hyperparameters flattened as Lightning's loggers do it (``_convert_params`` + ``_flatten_dict``)."""
-    return _flatten_dict(_convert_params(params))
+    logger = "lightning.fabric.utilities.logger"
+    return private(logger, "_flatten_dict")(private(logger, "_convert_params")(params))

@@ -1,0 +1,98 @@
+"""torch's private internals that the package uses, each where torch has no public API for it.
+
+Tested on torch 2.9.1, 2.13.0 and 2.15.0 (``make test-torch TORCH=X``). Private names are imported by
+:func:`~lit_ddp.compat.imports.private` inside the function that uses them, and the public API is taken where a
+version has one (``torch.distributed.set_timeout`` from 2.14).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lit_ddp.compat.imports import private
+
+
+def default_store() -> Any:
+    """The default process group's store (torch's ``_get_default_store``, private on 2.9 to 2.15): a key-value
+    exchange that works while collectives cannot (a peer died).
+
+    Raises:
+        RuntimeError: no default process group exists.
+        ImportError: this torch has no ``_get_default_store``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("no default process group")
+    return private("torch.distributed.distributed_c10d", "_get_default_store")()
+
+
+def set_process_group_timeout(timeout: timedelta) -> None:
+    """Sets the default process group's timeout for the collectives that follow (gloo and NCCL; a no-op without a
+    group): ``torch.distributed.set_timeout`` where torch has it (2.14 on, where the private ``_set_pg_timeout`` it
+    replaces warns of its deprecation), ``_set_pg_timeout`` before."""
+    if dist.is_available() and dist.is_initialized():
+        set_timeout = getattr(dist, "set_timeout", None) or private(
+            "torch.distributed.distributed_c10d", "_set_pg_timeout"
+        )
+        set_timeout(timeout)
+
+
+def exit_now(code: int) -> None:
+    """Ends the process at once (``os._exit``), without cleanup that would wait on a dead peer's collectives."""
+    os._exit(code)
+
+
+def dcp_storage_extents(metadata: Any) -> dict[str, int]:
+    """The bytes each storage file of a Distributed Checkpoint must hold at least: its entries' ``offset + length``
+    (DCP's ``Metadata.storage_data`` maps each tensor to a private ``_StorageInfo``), by file name."""
+    extents: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
+    return extents
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """DTensor's private ``_StridedShard`` placement: ``dim`` cut into ``split_factor`` equal parts, each sharded over
+    the mesh dimension, every rank holding its slice of each part. The tensor-parallel layout of a fused q, k, v
+    projection (a rank's heads of q, of k and of v); the only placement torch 2.9 to 2.15 has for it, made for
+    FSDP2 + TP.
+
+    Raises:
+        ImportError: this torch has no ``_StridedShard``.
+    """
+    return private("torch.distributed.tensor.placement_types", "_StridedShard")(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """Whether ``placement`` is DTensor's private ``_StridedShard`` (:func:`strided_shard`): its class is private, and
+    it is no ``Shard`` subclass (``is_shard()`` is False for it)."""
+    return isinstance(placement, private("torch.distributed.tensor.placement_types", "_StridedShard"))
+
+
+def strided_rows_survive_linear(mesh: Any) -> bool:
+    """Whether this torch's DTensor keeps :func:`strided_shard`'s rows through ``F.linear``: the output split by
+    strided columns, as the rows of q, k and v are. torch 2.9.1 labels the output a plain ``Shard`` (and the weight's
+    and bias's gradients too): a whole bias is then added from other heads' rows, and the gradients of q, k and v
+    are gathered into other rows; 2.13.0 and 2.15.0 keep the strided placement. DTensor's sharding rules on a tiny
+    input over ``mesh`` (1-D), in this process alone: no collective."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def on_mesh(local: torch.Tensor, placement: Any) -> Any:
+        return DTensor.from_local(local, mesh, [placement], run_check=False)
+
+    tp = mesh.size()
+    weight = on_mesh(torch.zeros(3, 1, device=mesh.device_type), strided_shard(0, split_factor=3))  # (3 tp, 1) whole
+    bias = on_mesh(torch.zeros(3 * tp, device=mesh.device_type), Replicate())
+    x = on_mesh(torch.zeros(1, 1, device=mesh.device_type), Replicate())
+    out: Any = torch.nn.functional.linear(x, weight, bias)  # a DTensor
+    return is_strided_shard(out.placements[-1])
+
+
+def tensorboard_file_writer(summary_writer: Any) -> Any:
+    """The ``FileWriter`` behind torch's ``SummaryWriter``, for events it has no method for (an HParams summary
+    without values, a ``SessionLog.START`` purge marker)."""
+    return summary_writer._get_file_writer()
