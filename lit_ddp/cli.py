@@ -22,11 +22,11 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelSummary, Progr
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_ddp.callbacks.model_summary import MixedPrecisionModelSummary
-from lit_ddp.generate import generate_main, sample
+from lit_ddp.callbacks.text_samples import FitEndSample
+from lit_ddp.generate import generate_main
 from lit_ddp.launch.preflight import check_config_files
 from lit_ddp.launch.reporting import report, silence_library_noise
 from lit_ddp.resilience import ResilientCLI
-from lit_ddp.strategies import forward_is_collective
 from lit_ddp.tasks.mingpt import GPTModule
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
@@ -57,7 +57,8 @@ class LitDDPCLI(ResilientCLI):
       ``version_N`` folders), so a restart continues the same log; hyperparameters go into the event files
       too (:class:`~lit_ddp.tensorboard.HParamsTensorBoardLogger`);
     - ``fit`` ends by printing the best monitored value with its step and file, the last checkpoint and its
-      step, and a text sample (minGPT);
+      step, and a text sample (minGPT), drawn on the training device before Lightning's teardown
+      (:class:`~lit_ddp.callbacks.text_samples.FitEndSample`);
     - ``float32_matmul_precision`` (``highest``, ``high``, ``medium``) is torch's for float32 matrix products; unset,
       ``high`` (TF32) on CUDA devices, torch's default elsewhere (:func:`set_float32_matmul_precision`);
     - the model summary is :class:`~lit_ddp.callbacks.model_summary.MixedPrecisionModelSummary`, Lightning's without
@@ -69,6 +70,7 @@ class LitDDPCLI(ResilientCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
+        self.fit_end_sample = FitEndSample()
         super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -103,6 +105,8 @@ class LitDDPCLI(ResilientCLI):
             isinstance(c, ProgressBar) for c in callbacks
         ):
             callbacks.append(TQDMProgressBar(refresh_rate=PROGRESS_BAR_REFRESH_STEPS))
+        if isinstance(self.model, GPTModule):
+            callbacks.append(self.fit_end_sample)
         if trainer_config.get("enable_model_summary") is not False and not any(
             isinstance(c, ModelSummary) for c in callbacks
         ):  # ours in place of Lightning's, which then neither adds its own nor says that it found one
@@ -115,15 +119,10 @@ class LitDDPCLI(ResilientCLI):
 
     def after_fit(self) -> None:
         """Rank zero prints the best monitored value (unless the monitor is ``step``: keep-the-newest), its step and
-        file, the last checkpoint, and a text sample when the model is a GPT (local to rank zero, except under
-        FSDP2, where every rank samples the same text: each forward all-gathers the shards)."""
+        file, the last checkpoint, and the text sample :class:`FitEndSample` drew when the model is a GPT."""
         super().after_fit()  # the checkpoints: best monitored value, its step and file; the last one
-        if not isinstance(self.model, GPTModule):
-            return
-        if self.trainer.is_global_zero or forward_is_collective(self.model):
-            text = sample(self.model)
-            if self.trainer.is_global_zero:
-                print(f"sample:\n{text}")
+        if self.trainer.is_global_zero and self.fit_end_sample.text is not None:
+            print(f"sample:\n{self.fit_end_sample.text}")
 
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:

@@ -3,18 +3,24 @@
     lit-ddp generate --ckpt_path runs/mingpt/cpu/checkpoints/last.ckpt --prompt "ROMEO:" --max_new_tokens 300
 
 The checkpoint is untrusted input: it is read with ``torch.load(weights_only=True)``, which refuses pickled
-code. The vocabulary and model sizes come from the checkpoint's ``hyper_parameters``.
+code. The vocabulary and model sizes come from the checkpoint's ``hyper_parameters``. The model is loaded onto the
+GPU when torch sees one (``--device`` chooses), and samples with a key-value cache
+(:func:`lit_ddp.models.kv_cache.generate`).
 """
 
 from __future__ import annotations
 
 import pickle
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import torch
 from jsonargparse import ArgumentParser
 
 from lit_ddp.data.char import decode, encode
+from lit_ddp.models import kv_cache
+from lit_ddp.models.gpt import GPT
 from lit_ddp.resilience import sharded
 from lit_ddp.resilience.resume import checkpoint_header
 from lit_ddp.tasks.mingpt import GPTModule
@@ -42,24 +48,32 @@ def sample(
     temperature: float = 1.0,
     top_k: int | None = None,
     seed: int | None = 0,
+    *,
+    model: GPT | None = None,
+    precision: AbstractContextManager[Any] | None = None,
 ) -> str:
-    """Text continuing ``prompt`` (prompt included) from a :class:`GPTModule`, local to this process, in eval mode
-    and full precision; :meth:`lit_ddp.models.gpt.GPT.generate` does the sampling.
+    """Text continuing ``prompt`` (prompt included) from a :class:`GPTModule`, local to this process, in eval mode,
+    on the device of the model's parameters; :func:`lit_ddp.models.kv_cache.generate` does the sampling (the tokens
+    of :meth:`lit_ddp.models.gpt.GPT.generate`, with a key-value cache).
 
     Args:
-        module: a GPTModule with its model built.
+        module: a GPTModule with its model built (its vocabulary; its model unless ``model`` is given).
         prompt: the start of the text, in the module's vocabulary. None: ``DEFAULT_PROMPT`` less the characters
             the vocabulary lacks (its first character if none is left).
         max_new_tokens: characters to sample, ``>= 0``.
         temperature: sampling temperature; 0 is greedy.
         top_k: sample among the ``top_k`` most likely characters; None for all.
         seed: seed of a private generator (the global RNG is untouched); None uses the global RNG.
+        model: the GPT to sample from in place of ``module.model``: a copy with its full parameters where the
+            module's forward is collective (:func:`lit_ddp.callbacks.text_samples.sample_where_trained`).
+        precision: the context the forward runs in: a trainer's ``precision_plugin.forward_context()`` (the run's
+            autocast); None: full precision.
 
     Raises:
         ValueError: a character of ``prompt`` outside the vocabulary, an empty prompt, or a bad argument.
     """
     check_sampling(max_new_tokens, temperature, top_k)
-    vocab, model = module.vocab, module.model
+    vocab, model = module.vocab, module.model if model is None else model
     assert vocab is not None and model is not None, "the module's model is not built"
     if prompt is None:
         prompt = "".join(c for c in DEFAULT_PROMPT if c in vocab) or vocab[0]
@@ -71,11 +85,28 @@ def sample(
     was_training = model.training
     model.eval()
     try:
-        with torch.autocast(device.type, enabled=False):
-            out = model.generate(idx, max_new_tokens, temperature, top_k, generator=generator)  # (1, T + new)
+        with precision or torch.autocast(device.type, enabled=False):
+            out = kv_cache.generate(model, idx, max_new_tokens, temperature, top_k, generator)  # (1, T + new)
     finally:
         model.train(was_training)
     return decode(out[0], vocab)
+
+
+def sampling_device(device: str | None = None) -> torch.device:
+    """``device`` as a ``torch.device``; None: ``cuda`` when torch sees a CUDA device, else ``cpu``.
+
+    Raises:
+        ValueError: a string torch does not read as a device, or a CUDA device torch does not see.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device!r}: {e}") from e
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return parsed
 
 
 def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
@@ -117,6 +148,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     seed: int = 1337,
+    device: str | None = None,
 ) -> str:
     """Samples text from a minGPT checkpoint.
 
@@ -126,19 +158,22 @@ def generate(
         max_new_tokens: characters to sample after the prompt (>= 0).
         temperature: > 1 more random, < 1 more conservative, 0 greedy (>= 0).
         top_k: sample only among the top_k most likely characters (>= 1); null for all.
-        seed: seed of the sampling generator (same seed, same text).
+        seed: seed of the sampling generator (same seed, same text on the same device).
+        device: where the model is loaded and samples (``cpu``, ``cuda``, ``cuda:1``); null: ``cuda`` when torch
+            sees a CUDA device, else ``cpu``. Full precision either way.
 
     Returns:
         The prompt followed by the sampled characters.
 
     Raises:
         FileNotFoundError: ``ckpt_path`` does not exist.
-        ValueError: a bad argument (named in the message) or a file that is not a minGPT checkpoint.
+        ValueError: a bad argument (named in the message), a CUDA device torch does not see, or a file that is not
+            a minGPT checkpoint.
     """
     check_sampling(max_new_tokens, temperature, top_k, prefix="--")
     if not prompt:
         raise ValueError("--prompt must not be empty")
-    module = load_gpt(ckpt_path)
+    module = load_gpt(ckpt_path, map_location=str(sampling_device(device)))
     try:
         return sample(module, prompt, max_new_tokens, temperature, top_k, seed)
     except ValueError as e:

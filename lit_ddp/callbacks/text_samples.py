@@ -1,18 +1,65 @@
-"""Text samples from a fixed prompt at each validation end, into TensorBoard."""
+"""Text samples drawn where the model trains: at each validation end into TensorBoard (:class:`TextSampleCallback`),
+and at the end of training, the one ``lit-ddp fit`` prints (:class:`FitEndSample`)."""
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lit_ddp.generate import check_sampling, sample
+from lit_ddp.models.gpt import GPT
 from lit_ddp.strategies import forward_is_collective
 from lit_ddp.tasks.mingpt import GPTModule
 
 
+def sample_where_trained(
+    trainer: Trainer,
+    module: GPTModule,
+    prompt: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int = 0,
+) -> str | None:
+    """Rank zero's :func:`lit_ddp.generate.sample` from ``module`` in the middle of a run: on the strategy's root
+    device, under the run's precision (the precision plugin's ``forward_context()``: its autocast), with the key-value
+    cache. Call it on every rank; the others get None.
+
+    Where the forward is collective (FSDP2 shards, tensor-parallel ``DTensor``:
+    :func:`lit_ddp.strategies.forward_is_collective`), sampling through it would all-gather or all-reduce on every
+    rank for every token. Instead every rank joins one gather of the full parameters into a plain copy of the GPT on
+    rank zero, which then samples alone. The copy costs one model's memory on rank zero's device while it samples.
+    """
+    assert module.model is not None, "the module's model is not built"
+    collective = forward_is_collective(module)
+    if not (trainer.is_global_zero or collective):
+        return None
+    model = _full_copy(module.model, trainer.strategy.root_device, trainer.is_global_zero) if collective else None
+    if not trainer.is_global_zero:
+        return None
+    precision = trainer.precision_plugin.forward_context()
+    return sample(module, prompt, max_new_tokens, temperature, top_k, seed, model=model, precision=precision)
+
+
+def _full_copy(model: GPT, device: torch.device, is_global_zero: bool) -> GPT | None:
+    """A plain GPT with ``model``'s full parameters on ``device`` on rank zero, None elsewhere; a collective (one
+    all-gather per parameter, whatever the number of tokens sampled next)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank zero alone gets the tensors (host)
+    state = get_model_state_dict(model, options=options)
+    if not is_global_zero:
+        return None
+    dtype = next(model.parameters()).dtype  # the shards' (bf16 under bf16-true)
+    with torch.device(device):
+        copy = GPT(model.config).to(dtype)
+    copy.load_state_dict(state)
+    return copy.eval()
+
+
 class TextSampleCallback(Callback):
     """At each validation end (not the sanity check), rank zero samples text from a fixed prompt of a
-    :class:`GPTModule` (:func:`lit_ddp.generate.sample`) and logs it to TensorBoard as text (tag ``samples``).
+    :class:`GPTModule` (:func:`sample_where_trained`) and logs it to TensorBoard as text (tag ``samples``).
 
     Sampling uses its own seeded generator, so training randomness is untouched.
 
@@ -47,17 +94,32 @@ class TextSampleCallback(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not isinstance(pl_module, GPTModule) or pl_module.vocab is None:
             return
-        # rank zero samples; under FSDP2 every rank does, the same tokens: each forward all-gathers the shards
-        if not (trainer.is_global_zero or forward_is_collective(pl_module)):
-            return
         prompt = self.prompt
         if prompt is not None and not all(c in pl_module.vocab for c in prompt):
             prompt = None  # the default
-        text = sample(pl_module, prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed)
-        if not trainer.is_global_zero:
+        text = sample_where_trained(
+            trainer, pl_module, prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed
+        )
+        if text is None:  # not rank zero
             return
         self.last_sample = text
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 indented = "\n".join("    " + line for line in text.splitlines())  # markdown code block
                 logger.experiment.add_text("samples", indented, global_step=trainer.global_step)
+
+
+class FitEndSample(Callback):
+    """The text sample ``lit-ddp fit`` prints at its end (:class:`lit_ddp.cli.LitDDPCLI` adds this callback for a
+    :class:`GPTModule` and prints :attr:`text`): :func:`sample_where_trained` with its defaults, drawn in
+    ``on_train_end``, the last hook before Lightning's teardown moves the model to the CPU (``on_fit_end`` and the
+    CLI's ``after_fit`` come after it). A fit that had nothing left to train (a finished run launched again) draws
+    none."""
+
+    def __init__(self) -> None:
+        self.text: str | None = None
+        """The sample, on rank zero, once training has ended."""
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if isinstance(pl_module, GPTModule) and pl_module.vocab is not None:
+            self.text = sample_where_trained(trainer, pl_module)

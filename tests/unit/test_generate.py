@@ -1,5 +1,5 @@
-"""lit_ddp.generate: ``lit-ddp generate`` from a checkpoint's hyperparameters and weights alone (no data),
-``sample()``'s default prompt, and the usage errors and foreign files it refuses."""
+"""lit_ddp.generate: ``lit-ddp generate`` from a checkpoint's hyperparameters and weights alone (no data), on a chosen
+device, ``sample()``'s default prompt, and the usage errors and foreign files it refuses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from lit_ddp.callbacks.text_samples import TextSampleCallback
 from lit_ddp.cli import cli_main
 from lit_ddp.data.char import build_vocab
-from lit_ddp.generate import DEFAULT_PROMPT, generate, sample
+from lit_ddp.generate import DEFAULT_PROMPT, generate, sample, sampling_device
 from lit_ddp.tasks.mingpt import GPTModule
 
 TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 40
@@ -51,9 +51,23 @@ def test_generate_from_hparams_and_weights_only(tmp_path: Path, capsys: pytest.C
     assert generate(str(ckpt), "RO", 0) == "RO"
 
 
+def test_generate_on_a_chosen_device(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--device cpu`` loads and samples on the CPU, the same text as the default device does here (the CPU unless
+    torch sees a GPU); the default is CUDA wherever torch sees one."""
+    ckpt = save_like_lightning(tiny_module(), tmp_path / "tiny.ckpt")
+    cli_main(["generate", "--ckpt_path", str(ckpt), "--prompt", "ROMEO:", "--max_new_tokens", "30", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and len(out.rstrip("\n")) == 36
+    assert sampling_device() == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert out.rstrip("\n") == generate(str(ckpt), "ROMEO:", 30)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--device", "gpu"], "--device 'gpu': "),
+        (["--device", f"cuda:{torch.cuda.device_count()}"], "CUDA device(s)"),  # one past the last
         (["--max_new_tokens", "-1"], "--max_new_tokens=-1 must be >= 0"),
         (["--top_k", "0"], "--top_k=0 must be >= 1"),
         (["--prompt", "ROMEO@"], "'@'"),
