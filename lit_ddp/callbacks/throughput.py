@@ -4,6 +4,7 @@ device synchronization."""
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -13,6 +14,22 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_ddp import compat
+
+# Dense peak FLOP/s of GPUs whose name Lightning 2.6's table misses, by the precision the run computes in. The H200
+# reports itself as "NVIDIA H200", which is neither of Lightning's "h200 sxm1" / "h200 nvl1" (whose figures are the
+# sparse ones besides); it is the H100 SXM's GH100 chip at the same clocks: NVIDIA's H200 datasheet gives 989 TFLOP/s
+# dense bf16, Lightning's "h100 sxm" 989.4e12.
+PEAK_FLOPS = {
+    "NVIDIA H200": {"bf16-mixed": 989.4e12, "bf16-true": 989.4e12, "16-mixed": 989.4e12, "16-true": 989.4e12},
+}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """Dense peak FLOP/s of ``device`` computing in ``precision`` (a Trainer precision such as ``"bf16-mixed"``) from
+    :data:`PEAK_FLOPS`; None where it has no figure (Lightning's table then decides)."""
+    if device.type != "cuda":
+        return None
+    return PEAK_FLOPS.get(torch.cuda.get_device_name(device), {}).get(precision)
 
 
 class TokenThroughputMonitor(ThroughputMonitor):
@@ -28,7 +45,8 @@ class TokenThroughputMonitor(ThroughputMonitor):
     from 0.
 
     Args:
-        available_flops: peak FLOP/s of one device (one process); None: Lightning's table (GPUs only).
+        available_flops: peak FLOP/s of one device (one process); None: :data:`PEAK_FLOPS`, else Lightning's table
+            (GPUs only).
             On CPU, measure it with ``python -m bench.matmul_peak``.
         window_size: points the training rates are averaged over: the start of training and each logging
             step (at least 2; 2: the rate of the last logging interval), and batches the validation rates
@@ -58,7 +76,12 @@ class TokenThroughputMonitor(ThroughputMonitor):
         self._resumed_counts = dict(state_dict)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        if self._available_flops_override is None:
+            self._available_flops_override = peak_flops(trainer.strategy.root_device, str(trainer.precision))
+        with warnings.catch_warnings():
+            if self._available_flops_override is not None:  # Lightning's table is not asked: its miss is no news
+                warnings.filterwarnings("ignore", message="FLOPs not found")
+            super().setup(trainer, pl_module, stage)
         if self._available_flops_override is not None:
             # Lightning types it int | None; Throughput, which reads it, takes a float.
             self.available_flops = self._available_flops_override  # type: ignore[assignment]
