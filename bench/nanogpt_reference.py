@@ -102,13 +102,18 @@ def to_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) ->
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's peak FLOP/s for ``dtype`` from Lightning's table (what the main job's ThroughputMonitor divides
-    by), None where it has none (CPUs, GPUs it does not list). Imported here, after the timed run."""
+    """The device's peak FLOP/s for ``dtype`` as the main job's TokenThroughputMonitor finds it (the project's figure
+    for GPUs Lightning's table misses, else Lightning's table), None where neither has one (CPUs). Imported here,
+    after the timed run."""
     if device.type != "cuda":
         return None
     from lightning.fabric.utilities.throughput import get_available_flops
 
-    flops = get_available_flops(device, dtype if dtype != torch.float32 else "tfloat32")
+    from lit_ddp.callbacks.throughput import peak_flops as project_peak
+
+    flops = project_peak(device, "bf16-mixed" if dtype == torch.bfloat16 else "32-true")
+    if flops is None:
+        flops = get_available_flops(device, dtype if dtype != torch.float32 else "tfloat32")
     return None if flops is None else float(flops)
 
 
