@@ -328,7 +328,19 @@ def _mapped(tree: Any, fn: Any, *like: Any) -> Any:
 
 def gpt_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """The GPT's tensor-parallel plan for ``tensor_parallel_plan`` (:func:`lit_ddp.models.parallelize.tensor_parallel`),
-    with q, k and v split by rows of each (``lit_ddp.compat.strided_shard``)."""
+    with q, k and v split by rows of each (``lit_ddp.compat.strided_shard``).
+
+    Raises:
+        ValueError: this torch's DTensor loses those rows' layout in a linear layer
+            (:func:`lit_ddp.compat.strided_rows_survive_linear`: torch 2.9.1), which would train wrong.
+    """
+    if not compat.strided_rows_survive_linear(mesh):
+        raise ValueError(
+            f"tensor parallelism (tensor_parallel_size > 1) needs a torch whose DTensor keeps q, k and v's strided rows "
+            f"through a linear layer, and torch {torch.__version__}'s does not (2.9.1's labels them a plain Shard: "
+            "the attention's bias and gradients would land in other heads' rows; 2.13.0 and 2.15.0 keep them). "
+            "Install torch >= 2.13, or train without it: tensor_parallel_size 1 (FSDP2 alone) or DDP"
+        )
     return tensor_parallel(model, mesh, compat.strided_shard(0, split_factor=3))
 
 

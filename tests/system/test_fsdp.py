@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from lit_ddp import compat
 from lit_ddp.launch.preflight import usable_cpus
 from lit_ddp.models.gpt import GPT, GPTConfig
 from lit_ddp.models.parallelize import clip_grad_norm_
@@ -251,7 +252,11 @@ def _tensor_parallel_worker(rank: int, store: str, out: Any) -> None:
     try:
         torch.manual_seed(0)
         plain = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, vocab_size=11, dropout=0.0, rope=True))
-        split = gpt_tensor_parallel(copy.deepcopy(plain), init_device_mesh("cpu", (2,)))
+        try:
+            split = gpt_tensor_parallel(copy.deepcopy(plain), init_device_mesh("cpu", (2,)))
+        except ValueError as refused:  # DTensor loses the strided rows here (compat.strided_rows_survive_linear)
+            out.put((rank, {"refused": str(refused)}))
+            return
         c_attn = split.transformer.h[0].attn.c_attn.weight.to_local().clone()  # this rank's rows of q, of k and of v
         rows = [t.chunk(2)[rank] for t in plain.transformer.h[0].attn.c_attn.weight.chunk(3)]
         idx = torch.randint(0, 11, (3, 8), generator=torch.Generator().manual_seed(1))  # (B, T), the same on both
@@ -298,11 +303,16 @@ def test_tensor_parallel_splits_q_k_v_by_heads_and_computes_the_same(tmp_path) -
     contiguous half of the stacked matrix), the loss equals the plain model's bit for bit, the state gathers back to
     the plain parameters, and the gradients agree to float rounding, also once clipped (``clip_grad_norm_``). And
     the torch behaviour behind the strategy's refusal of single-file checkpoints under tensor parallelism: a
-    full-state-dict load from rank 0 (Lightning's) still gives each rank a contiguous block of the stacked rows."""
+    full-state-dict load from rank 0 (Lightning's) still gives each rank a contiguous block of the stacked rows. On a
+    torch whose DTensor loses those rows' layout in a linear layer (2.9.1), the plan refuses instead."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_tensor_parallel_worker, args=(str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
     for rank, found in sorted(out.get() for _ in range(2)):
+        if "refused" in found:  # torch 2.9.1: the plan refuses to split q, k and v
+            assert compat.TORCH_VERSION.release < (2, 13), found["refused"]
+            assert f"torch {torch.__version__}'s does not" in found["refused"], found["refused"]
+            continue
         assert found["rows"] and found["weights"], (rank, found)
         assert found["loss"][0] == found["loss"][1], (rank, found)
         assert found["grads"] < 1e-6, (rank, found)
