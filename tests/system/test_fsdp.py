@@ -93,8 +93,18 @@ def fit_40(runner: Runner, text: Path, root: Path, strategy: str, devices: int, 
 
 
 def worst_drift(a: dict, b: dict) -> float:
-    """The largest relative difference (in norm) between two state dicts' tensors."""
-    return max(((b[k] - t).norm() / t.norm()).item() for k, t in a.items())
+    """The largest relative difference (in norm) between two state dicts' tensors, but for the key rows of c_attn's
+    bias: their true gradient is zero, so they hold only float rounding scaled up to the learning rate by AdamW
+    (see :func:`test_tensor_parallel_trains_what_one_process_trains`), as large as the build's kernels make it. On
+    torch 2.9.1's CUDA wheel a DDP checkpoint resumed under FSDP2 ended with them 1.0e-5 apart (relative, the whole
+    bias) where the q and v rows were within 9e-8."""
+
+    def without_keys(name: str, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(t.chunk(3)[::2]) if name.endswith("attn.c_attn.bias") else t  # q and v
+
+    return max(
+        ((without_keys(k, b[k]) - without_keys(k, t)).norm() / without_keys(k, t).norm()).item() for k, t in a.items()
+    )
 
 
 @pytest.mark.slow
@@ -108,7 +118,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(
     compat.optimizer_states_numbered_by_their_groups), by an explicit --ckpt_path into a new run directory: DCP
     reshards the parameters and AdamW's state, the sampler continues the global order (the same global batch
     each time: 48 where 3 processes take it, 16 elsewhere; no dropout), and the 40 steps end with the parameters
-    of the run that was not interrupted, to float rounding (1e-5, relative, per tensor). Then ``lit-ddp
+    of the run that was not interrupted, to float rounding (1e-5, relative, per tensor: :func:`worst_drift`). Then ``lit-ddp
     generate`` samples from a resumed run's sharded last.ckpt."""
     legs = ((2, "ddp", 16, (2,)), (2, "fsdp", 48, (1, 3)), (1, "fsdp", 16, (2,)))  # first, strategy, batch, then
     for first, strategy, batch, thens in legs:
