@@ -49,8 +49,8 @@ class GPTModule(LightningModule):
         muon_learning_rate: Muon's peak learning rate.
         muon_momentum: Muon's (Nesterov) momentum.
         muon_weight_decay: Muon's decoupled weight decay.
-        compile: run the training and validation forward through ``torch.compile`` (the first steps pay tens of
-            seconds of compiling); sampling and checkpoints use the plain module.
+        compile: run the training forward through ``torch.compile`` (the first steps pay tens of seconds of
+            compiling); validation (another graph per batch shape), sampling and checkpoints use the plain module.
 
     Raises:
         ValueError: an unknown preset or optimizer, or an invalid size, rate or schedule.
@@ -141,7 +141,7 @@ class GPTModule(LightningModule):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """``idx (B, T) -> (logits (B, T, V), loss | None)``: :meth:`GPT.forward`."""
         assert self.model is not None, "configure_model() first"
-        return (self._forward or self.model)(idx, targets)
+        return (self._forward if self._forward and self.training else self.model)(idx, targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T) each: this rank's shard of the global batch
