@@ -51,9 +51,9 @@ import sys
 import time
 from pathlib import Path
 
+from lit_ddp.errors import UsageError
 from lit_ddp.launch.chaos_compare import compare
 from lit_ddp.launch.chaos_job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
-from lit_ddp.launch.errors import UsageError
 
 KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
 # What each launcher can inject: a Slurm job's processes run on other machines, reached through scancel only.

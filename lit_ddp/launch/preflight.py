@@ -1,6 +1,6 @@
 """Every check that runs before any process starts: one error type, one ``lit-ddp: error:`` line.
 
-Each check raises :class:`~lit_ddp.launch.errors.UsageError` naming the bad value and what would be right; the CLI prints it once
+Each check raises :class:`~lit_ddp.errors.UsageError` naming the bad value and what would be right; the CLI prints it once
 (rank/task zero) as ``lit-ddp: error: ...`` and exits with status 2, before anything is instantiated, so
 nothing already saved is touched and no process is left waiting for a peer (:func:`run_preflight`).
 
@@ -38,8 +38,8 @@ import torch
 import yaml
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lit_ddp.errors import UsageError
 from lit_ddp.launch.environment import config_value, devices_per_node, leading_int
-from lit_ddp.launch.errors import UsageError
 from lit_ddp.resilience.resume import checkpoint_header, is_valid_checkpoint
 
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")  # Lightning's ``_is_slurm_interactive_mode``

@@ -4,7 +4,7 @@
   rank: one ``lit-ddp: error: ...`` line, from rank zero (under torchrun, from another rank if it is seconds
   ahead), exit status 2.
 - Once ``fit`` runs, the rank that raised prints its own message, tagged with its rank and host: a
-  :class:`~lit_ddp.launch.errors.LitDDPError` (a non-finite loss, an unreadable resume point) or a bad value
+  :class:`~lit_ddp.errors.LitDDPError` (a non-finite loss, an unreadable resume point) or a bad value
   that lit_ddp's own checks found (a data file too short for ``block_size``) as one line; anything else, a
   ``ValueError`` from torch included, with its traceback first and the one-line summary last. Exit status:
   the error's ``exit_code`` (2 for bad values, 1 otherwise).
@@ -36,7 +36,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 import lit_ddp
 from lit_ddp import compat
-from lit_ddp.launch.errors import LitDDPError, Preempted, UsageError
+from lit_ddp.errors import LitDDPError, Preempted, UsageError
 
 USAGE_EXIT_CODE = UsageError.exit_code
 FAILURE_EXIT_CODE = LitDDPError.exit_code

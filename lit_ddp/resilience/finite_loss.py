@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lit_ddp.launch.errors import NonFiniteLossError
+from lit_ddp.errors import NonFiniteLossError
 
 _NO_STEP = 2**62  # "no bad step seen" in the step slot of the flags
 

@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp import compat
-from lit_ddp.launch.errors import Preempted
+from lit_ddp.errors import Preempted
 from lit_ddp.resilience import signals
 from lit_ddp.resilience.checkpoint_io import wait_for_checkpoint_writes
 from lit_ddp.resilience.deferred import DeferredFlag
@@ -59,7 +59,7 @@ class PreemptionCheckpoint(Callback):
        ``slurm/train.sbatch`` does: on the host, after ``srun``, so neither a container without ``scontrol``
        nor ``srun --kill-on-bad-exit`` ending rank zero's ``scontrol`` can lose it), else by rank zero running
        ``scontrol requeue JOB`` (Lightning's command; it is part of its handler, so not callable alone);
-    3. raise :class:`~lit_ddp.launch.errors.Preempted`, which the CLI turns into exit status ``128 + signum`` without a traceback
+    3. raise :class:`~lit_ddp.errors.Preempted`, which the CLI turns into exit status ``128 + signum`` without a traceback
        (SIGTERM: 143, which torchrun and Slurm read as a failure, so nothing counts the run as finished).
 
     A signal that lands during validation or a save is acted on one agreement later; one that lands in the

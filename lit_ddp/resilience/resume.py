@@ -25,7 +25,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_ddp import compat
-from lit_ddp.launch.errors import NoValidCheckpointError, ResumePointError
+from lit_ddp.errors import NoValidCheckpointError, ResumePointError
 from lit_ddp.resilience import sharded
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_ddp.launch.errors import UsageError
+from lit_ddp.errors import UsageError
 from lit_ddp.resilience.checkpoint_io import write_atomic
 
 LOCK_FILE = ".lit_ddp.lock"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lit_ddp.cli import cli_main
-from lit_ddp.launch.errors import UsageError
+from lit_ddp.errors import UsageError
 from lit_ddp.launch.preflight import check_launch, check_trainer
 from lit_ddp.launch.reporting import USAGE_EXIT_CODE
 from tests.helpers import QUIET, SLURM_PLUGIN, SRUN_2, SRUN_CONFIGS, compose, usage_error, without

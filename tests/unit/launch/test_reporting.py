@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from lit_ddp.errors import NonFiniteLossError, Preempted, UsageError
 from lit_ddp.launch import reporting
-from lit_ddp.launch.errors import NonFiniteLossError, Preempted, UsageError
 from lit_ddp.launch.preflight import check_launch
 from tests.helpers import SRUN_2, without
 

@@ -1,7 +1,7 @@
 """The errors lit-ddp reports itself: one line, no traceback, and the exit status each class carries.
 
-Everything else keeps its traceback (:mod:`lit_ddp.launch.reporting`). Standard library only, so the
-resilience layer can raise these without importing the launcher.
+Everything else keeps its traceback (:mod:`lit_ddp.launch.reporting`). Standard library only and importing
+nothing of the package, so any layer can raise these without importing a layer above it.
 """
 
 from __future__ import annotations
