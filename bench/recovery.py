@@ -49,7 +49,7 @@ import yaml
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lit_ddp.launch.chaos_job import workers
+from lit_ddp.chaos.job import workers
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = [

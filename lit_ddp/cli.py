@@ -127,7 +127,7 @@ class LitDDPCLI(ResilientCLI):
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
     """Entry point of ``lit-ddp`` and ``python -m lit_ddp`` (``generate`` goes to :mod:`lit_ddp.generate`,
-    ``chaos`` to :mod:`lit_ddp.launch.chaos`).
+    ``chaos`` to :mod:`lit_ddp.chaos.cli`).
 
     Args:
         args: command-line arguments without the program name; ``None`` reads ``sys.argv``.
@@ -137,7 +137,7 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
         generate_main(argv[1:])
         return None
     if argv and argv[0] == "chaos":  # an operator's tool: imported only when asked for
-        from lit_ddp.launch.chaos import chaos_main
+        from lit_ddp.chaos.cli import chaos_main
 
         raise SystemExit(chaos_main(argv[1:]))
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

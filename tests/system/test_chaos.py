@@ -4,7 +4,7 @@ exactly. The project's torchrun and Slurm restart tests go through it: here the 
 agents and Slurm preemptions; minGPT (Muon + AdamW) with kills of a worker and of a checkpoint's writer under
 FSDP2, and with USR1 and a lost node on two Slurm nodes, in ``tests/system/test_fsdp.py``; random SIGKILLs of
 a minGPT worker under DDP per checkpoint trigger in ``tests/system/test_checkpoint_triggers.py``. Its bad uses:
-``tests/unit/launch/test_chaos.py``."""
+``tests/unit/chaos/test_chaos.py``."""
 
 from __future__ import annotations
 

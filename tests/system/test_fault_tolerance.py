@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ddp.launch.chaos import RESUMED, checkpoint_steps
-from lit_ddp.launch.chaos_compare import compare
-from lit_ddp.launch.chaos_job import PHASE_PROBE
+from lit_ddp.chaos.cli import RESUMED, checkpoint_steps
+from lit_ddp.chaos.compare import compare
+from lit_ddp.chaos.job import PHASE_PROBE
 from tests.helpers import QUIET, Runner, compose, lit_ddp, tensorboard_steps
 
 # The README's fault-tolerant compositions: DDP, the step's config, the checkpointing fragment (and for minGPT

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
-PHASE_PROBE = "lit_ddp.launch.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
+PHASE_PROBE = "lit_ddp.chaos.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
 PHASE_FILE = ".chaos_phase"  # where it tells it, in the run directory
 SBATCH_SCRIPT = Path("slurm/train.sbatch")
 ELASTIC_SCRIPT = Path("slurm/train_elastic.sbatch")
@@ -252,7 +252,7 @@ class Job:
 
     def progress(self) -> tuple[str, int, int] | None:
         """``(phase, global_step, pid)`` of the run's rank zero as it last told them
-        (:class:`~lit_ddp.launch.phase_probe.PhaseProbe`); None before it told any (or while it writes)."""
+        (:class:`~lit_ddp.chaos.phase_probe.PhaseProbe`); None before it told any (or while it writes)."""
         try:
             phase, step, pid = (self.root / PHASE_FILE).read_text().split()
             return phase, int(step), int(pid)

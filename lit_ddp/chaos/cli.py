@@ -22,7 +22,7 @@ injected from outside, then compares the two final checkpoints bit for bit.
   Slurm of the job's tasks on one node, from an overlapping ``srun`` step),
   ``save`` (SIGKILL of the process writing a checkpoint, the moment its temporary file appears),
   ``validation`` (SIGKILL of one worker, under Slurm of one node's tasks, while a validation runs:
-  :class:`~lit_ddp.launch.phase_probe.PhaseProbe` tells when), ``usr1``
+  :class:`~lit_ddp.chaos.phase_probe.PhaseProbe` tells when), ``usr1``
   (``scancel --signal=USR1``, Slurm only: the time limit's warning, save and requeue). The schedule (each
   fault's kind, target rank and delay, a fraction of the checkpoint interval) is drawn from ``--seed`` before the
   run (printed: the same seed replays the same schedule); a fault comes only once the run directory holds a step
@@ -51,9 +51,9 @@ import sys
 import time
 from pathlib import Path
 
+from lit_ddp.chaos.compare import compare
+from lit_ddp.chaos.job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
 from lit_ddp.errors import UsageError
-from lit_ddp.launch.chaos_compare import compare
-from lit_ddp.launch.chaos_job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
 
 KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
 # What each launcher can inject: a Slurm job's processes run on other machines, reached through scancel only.

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from lit_ddp.chaos.cli import checkpoint_interval, plan, print_faults, run_faulted
+from lit_ddp.chaos.compare import compare_scalars, first_difference
+from lit_ddp.chaos.job import Fault
 from lit_ddp.cli import cli_main
-from lit_ddp.launch.chaos import checkpoint_interval, plan, print_faults, run_faulted
-from lit_ddp.launch.chaos_compare import compare_scalars, first_difference
-from lit_ddp.launch.chaos_job import Fault
 
 FIT = ["--", "--config", "configs/regression/single_device.yaml"]
 
@@ -192,7 +192,7 @@ def test_the_writer_of_a_checkpoint_is_found_under_a_relative_run_directory(tmp_
     import os
     import time
 
-    from lit_ddp.launch.chaos_job import writer_of_temporary_checkpoint
+    from lit_ddp.chaos.job import writer_of_temporary_checkpoint
 
     monkeypatch.chdir(tmp_path)
     root = Path("runs/faulted")

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lit_ddp.launch.chaos_job import PHASE_FILE
+from lit_ddp.chaos.job import PHASE_FILE
 
 
 class PhaseProbe(Callback):

@@ -1,0 +1,10 @@
+"""``lit-ddp chaos``, a tool users run on top of the package: a run trained once uninterrupted and once under
+faults injected from outside, its two final checkpoints compared bit for bit.
+
+- :mod:`~lit_ddp.chaos.cli`: the command, the fault schedule, the faulted run;
+- :mod:`~lit_ddp.chaos.job`: one launch of the run (single process, torchrun or Slurm) and its processes;
+- :mod:`~lit_ddp.chaos.phase_probe`: the callback added to both runs that tells the step reached;
+- :mod:`~lit_ddp.chaos.compare`: the two runs' checkpoints and TensorBoard scalars compared.
+
+Nothing in the package imports it; ``lit-ddp chaos`` imports it only when asked for.
+"""
