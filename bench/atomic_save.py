@@ -83,7 +83,8 @@ def _status(field: str) -> int:
 def write_once(variant: str, directory: Path) -> dict[str, float]:
     """One write of the tutorial checkpoint in this process: seconds, bytes above the memory before it,
     checkpoint bytes."""
-    from lit_ddp.resilience.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO, write_atomic
+    from lit_ddp.resilience.checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO
+    from lit_ddp.run_dir.atomic import write_atomic
 
     state = tutorial_checkpoint()
     size = _tensor_bytes(state)

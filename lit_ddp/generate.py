@@ -21,8 +21,8 @@ from jsonargparse import ArgumentParser
 from lit_ddp.data.char import decode, encode
 from lit_ddp.models import kv_cache
 from lit_ddp.models.gpt import GPT
-from lit_ddp.resilience import sharded
-from lit_ddp.resilience.resume import checkpoint_header
+from lit_ddp.run_dir import sharded
+from lit_ddp.run_dir.checkpoints import checkpoint_header
 from lit_ddp.tasks.mingpt import GPTModule
 
 DEFAULT_PROMPT = "O God, O God!"
@@ -112,7 +112,7 @@ def sampling_device(device: str | None = None) -> torch.device:
 def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
     """A :class:`GPTModule` rebuilt from a checkpoint written by ``lit-ddp fit`` with it, in eval mode
     (Lightning's ``load_from_checkpoint`` with ``weights_only=True``). A sharded checkpoint's directory (FSDP2's
-    ``save_distributed_checkpoint``) is consolidated first, in memory (:func:`lit_ddp.resilience.sharded.as_file`).
+    ``save_distributed_checkpoint``) is consolidated first, in memory (:func:`lit_ddp.run_dir.sharded.as_file`).
 
     Raises:
         FileNotFoundError: ``ckpt_path`` does not exist.

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp import compat
 from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
-from lit_ddp.resilience import sharded
+from lit_ddp.run_dir import sharded
 
 
 def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, Any]:
@@ -122,7 +122,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             when ``tensor_parallel_size`` > 1.
         save_distributed_checkpoint: True: a directory of shards per checkpoint (torch's Distributed
             Checkpoint: each rank writes its own, and a checkpoint of N processes resumes on any number), put in
-            place atomically (:mod:`lit_ddp.resilience.sharded`); False: one file with the full state, gathered on
+            place atomically (:mod:`lit_ddp.run_dir.sharded`); False: one file with the full state, gathered on
             rank zero, as DDP writes.
         async_save: with ``save_distributed_checkpoint``: DCP's ``async_save`` copies the shards to host memory
             and writes them in a background thread (its collectives on a process group of their own) while

@@ -6,5 +6,5 @@ faults injected from outside, its two final checkpoints compared bit for bit.
 - :mod:`~lit_ddp.chaos.phase_probe`: the callback added to both runs that tells the step reached;
 - :mod:`~lit_ddp.chaos.compare`: the two runs' checkpoints and TensorBoard scalars compared.
 
-Nothing in the package imports it; ``lit-ddp chaos`` imports it only when asked for.
+Only :mod:`lit_ddp.cli` imports it, when ``lit-ddp chaos`` is asked for.
 """

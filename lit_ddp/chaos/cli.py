@@ -54,6 +54,7 @@ from pathlib import Path
 from lit_ddp.chaos.compare import compare
 from lit_ddp.chaos.job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
 from lit_ddp.errors import UsageError
+from lit_ddp.run_dir import layout
 
 KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
 # What each launcher can inject: a Slurm job's processes run on other machines, reached through scancel only.
@@ -65,7 +66,6 @@ LAUNCHER_KINDS = {
 # slurm/train_elastic.sbatch: a torchrun agent per node restarts its workers; it has no SIGUSR1 handler (a USR1 would
 # end the agent), and a frozen worker is torchrun's to end.
 ELASTIC_KINDS = ("kill", "hang", "node", "term", "validation")
-CKPT_STEP = re.compile(r"step=(\d+)")
 RESUMED = re.compile(r"Resumed from \S+ at global_step (\d+)")
 
 
@@ -144,8 +144,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def checkpoint_steps(root: Path) -> list[int]:
     """The steps of the run directory's step-named checkpoints (``...step=N...ckpt``)."""
     steps = []
-    for path in (root / "checkpoints").glob("*.ckpt"):
-        if (match := CKPT_STEP.search(path.name)) is not None:
+    for path in Path(layout.checkpoint_dir(str(root))).glob("*"):
+        if layout.is_checkpoint_name(path.name) and (match := layout.STEP_IN_NAME.search(path.name)) is not None:
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -294,13 +294,13 @@ def chaos_main(argv: list[str]) -> int:
         if took is None:
             print(f"lit-ddp chaos: the uninterrupted run failed; its output: {ref_job.log}", file=sys.stderr)
             return 1
-    if not (reference / "checkpoints" / "last.ckpt").exists():  # a file, or a sharded directory
-        print(f"lit-ddp: error: {reference} holds no checkpoints/last.ckpt", file=sys.stderr)
+    if not Path(layout.last_checkpoint(str(reference))).exists():  # a file, or a sharded directory
+        print(f"lit-ddp: error: {reference} holds no {layout.CHECKPOINTS}/{layout.LAST}", file=sys.stderr)
         return UsageError.exit_code
     if not checkpoint_steps(reference):
         print(
-            f"lit-ddp: error: the run writes no step checkpoint ({reference}/checkpoints/*step=N*.ckpt) before its end, "
-            "so no fault could come: add --config configs/checkpoint/fault_tolerant.yaml or "
+            f"lit-ddp: error: the run writes no step checkpoint ({layout.checkpoint_dir(str(reference))}/*step=N*.ckpt) "
+            "before its end, so no fault could come: add --config configs/checkpoint/fault_tolerant.yaml or "
             "--checkpoint.every_n_train_steps N",
             file=sys.stderr,
         )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lit_ddp.resilience import sharded
+from lit_ddp.run_dir import layout, sharded
 
 # Scalars that measure the machine, not the training: they differ between any two runs.
 TIMING_SCALARS = ("per_sec", "tokens/s", "mfu", "time")
@@ -67,7 +67,7 @@ def compare_scalars(reference: Path, faulted: Path, rtol: float = 0.0) -> str | 
 def compare(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
     """The first differing entry of the two runs: ``last.ckpt``'s global_step, weights, optimizer and schedulers,
     then the TensorBoard scalars. A sharded ``last.ckpt/`` is consolidated first."""
-    paths = (r / "checkpoints" / "last.ckpt" for r in (reference, faulted))
+    paths = (Path(layout.last_checkpoint(str(r))) for r in (reference, faulted))
     a, b = (
         sharded.full_checkpoint(p) if sharded.is_sharded(p) else torch.load(p, map_location="cpu", weights_only=False)
         for p in paths

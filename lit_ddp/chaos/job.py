@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lit_ddp.run_dir import layout
+
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
 PHASE_PROBE = "lit_ddp.chaos.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
 PHASE_FILE = ".chaos_phase"  # where it tells it, in the run directory
@@ -52,7 +54,7 @@ def writer_of_temporary_checkpoint(root: Path, pids: list[int], deadline: float)
     """The pid among ``pids`` that holds a checkpoint's temporary file open (``.NAME.XXXX.tmp``, AtomicCheckpointIO's,
     or a shard in such a directory, a sharded checkpoint's, in ``root/checkpoints`` or ``root``), as soon as one
     appears; None if none did before ``deadline``."""
-    folders = [root / "checkpoints", root]
+    folders = [Path(layout.checkpoint_dir(str(root))), root]
     while time.monotonic() < deadline:
         for folder in folders:
             with contextlib.suppress(OSError):

@@ -40,7 +40,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp.errors import UsageError
 from lit_ddp.launch.environment import config_value, devices_per_node, leading_int
-from lit_ddp.resilience.resume import checkpoint_header, is_valid_checkpoint
+from lit_ddp.run_dir.checkpoints import checkpoint_header, is_valid_checkpoint
+from lit_ddp.run_dir.layout import last_checkpoint
 
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")  # Lightning's ``_is_slurm_interactive_mode``
 
@@ -262,7 +263,7 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
     fs, path = fsspec.core.url_to_fs(str(ckpt_path))
     if not fs.exists(path):
         raise UsageError(
-            f"--ckpt_path {ckpt_path} does not exist; give a .ckpt file of a run (e.g. <run>/checkpoints/last.ckpt)"
+            f"--ckpt_path {ckpt_path} does not exist; give a .ckpt file of a run (e.g. {last_checkpoint('<run>')})"
         )
     if not is_valid_checkpoint(str(ckpt_path)):
         raise UsageError(

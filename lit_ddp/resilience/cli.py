@@ -1,12 +1,6 @@
 """The LightningCLI hooks that install the resilience layer: the door between the tutorial and the machinery.
 
-Layout of a run directory (``trainer.default_root_dir``)::
-
-    <root>/config.yaml                 the resolved config of the last launch
-    <root>/hparams.yaml, events.out.*  TensorBoard logs (one log, continued across restarts)
-    <root>/checkpoints/*.ckpt          checkpoint files, plus last.ckpt
-    <root>/hpc_ckpt_N.ckpt             the preemption checkpoint
-
+The run directory (``trainer.default_root_dir``) is laid out as :mod:`lit_ddp.run_dir.layout` says.
 Re-running the same command resumes from the valid checkpoint with the highest step there, the same one on
 every rank (:func:`lit_ddp.resilience.resume.agree_on_resume_checkpoint`).
 """
@@ -34,16 +28,11 @@ from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
 from lit_ddp.resilience.preemption import PreemptionCheckpoint
-from lit_ddp.resilience.resume import (
-    RESUME_AUTO,
-    check_resumable,
-    checkpoint_step,
-    restart_count,
-    resume_from_agreed_checkpoint,
-    set_aside_later_checkpoints,
-)
-from lit_ddp.resilience.run_lock import hold_run_directory
+from lit_ddp.resilience.resume import RESUME_AUTO, check_resumable, restart_count, resume_from_agreed_checkpoint
 from lit_ddp.resilience.startup_timeout import StartupTimeout
+from lit_ddp.run_dir import layout
+from lit_ddp.run_dir.checkpoints import checkpoint_step, set_aside_later_checkpoints
+from lit_ddp.run_dir.lock import hold_run_directory
 
 DEFAULT_ROOT_DIR = "runs/default"
 # A run of its own inside the config's run directory, <root>/<id>, unless --trainer.default_root_dir is given:
@@ -52,9 +41,9 @@ RUN_ID = "LIT_DDP_RUN_ID"
 
 
 def checkpoint_dir(root_dir: str | None) -> str:
-    """``<root_dir>/checkpoints``: where the checkpoint callback writes."""
-    root = str(root_dir or DEFAULT_ROOT_DIR)
-    return root.rstrip("/") + "/checkpoints"
+    """``<root_dir>/checkpoints`` (:func:`lit_ddp.run_dir.layout.checkpoint_dir`; ``runs/default`` without one):
+    where the checkpoint callback writes."""
+    return layout.checkpoint_dir(str(root_dir or DEFAULT_ROOT_DIR))
 
 
 def default_run_directory(config_files: list[Any] | None, model_class_path: str | None) -> str:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import posixpath
 import re
 import signal
 import subprocess
 import time
 from typing import Any
 
-from fsspec.core import url_to_fs
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
@@ -22,13 +19,13 @@ from lit_ddp.errors import Preempted
 from lit_ddp.resilience import signals
 from lit_ddp.resilience.checkpoint_io import wait_for_checkpoint_writes
 from lit_ddp.resilience.deferred import DeferredFlag
+from lit_ddp.run_dir.checkpoints import remove_older_hpc_checkpoints
 
 log = logging.getLogger(__name__)
 
 MAX_STEPS_BETWEEN_AGREEMENTS = 1000  # an int32 the all-reduce carries; far beyond any useful interval
 
 
-HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")  # Lightning's name for the preemption checkpoint
 BATCH_REQUEUE = "LIT_DDP_BATCH_REQUEUE"  # "1": the batch script requeues on exit status 128 + signum
 
 
@@ -204,23 +201,6 @@ class PreemptionCheckpoint(Callback):
         """The signal any rank had recorded when the all-reduce in flight was started (the highest number
         when ranks recorded different ones), or None; waits for that all-reduce."""
         return self._signal.result() or None
-
-
-def remove_older_hpc_checkpoints(path: str) -> None:
-    """Deletes the run directory's ``hpc_ckpt_M.ckpt`` for every ``M`` below ``path``'s ``N`` (a local path or
-    an fsspec URL): each holds a whole state at an earlier step than the one just written, atomically, so
-    keeping them would only fill the disk, one checkpoint per preemption. (A rollback with ``--ckpt_path``
-    first sets the later ones aside.)"""
-    fs, fs_path = url_to_fs(path)
-    directory, name = posixpath.split(fs_path)
-    this = HPC_NAME.fullmatch(name)
-    if this is None:
-        return
-    for other in fs.glob(posixpath.join(directory, "hpc_ckpt_*.ckpt")):
-        older = HPC_NAME.fullmatch(posixpath.basename(other))
-        if older is not None and int(older.group(1)) < int(this.group(1)):
-            with contextlib.suppress(OSError):
-                fs.rm(other, recursive=True)  # a sharded checkpoint is a directory
 
 
 def requeue_slurm_job() -> None:

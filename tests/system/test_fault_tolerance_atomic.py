@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
-from lit_ddp.resilience.resume import is_valid_checkpoint
+from lit_ddp.run_dir.checkpoints import is_valid_checkpoint
 from tests.helpers import Runner, compose, wait
 
 OTHER_FS = Path("/dev/shm")

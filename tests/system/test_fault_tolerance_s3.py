@@ -18,13 +18,9 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from lit_ddp.resilience.checkpoint_io import write_atomic
-from lit_ddp.resilience.resume import (
-    checkpoint_candidates,
-    checkpoint_step,
-    find_resume_checkpoint,
-    is_valid_checkpoint,
-)
+from lit_ddp.resilience.resume import find_resume_checkpoint
+from lit_ddp.run_dir.atomic import write_atomic
+from lit_ddp.run_dir.checkpoints import checkpoint_candidates, checkpoint_step, is_valid_checkpoint
 from tests.helpers import QUIET, Runner, compose, kill_group, lit_ddp, load_records, start
 from tests.system.test_reliability import Watched
 

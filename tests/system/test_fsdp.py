@@ -20,8 +20,8 @@ from lit_ddp import compat
 from lit_ddp.launch.preflight import usable_cpus
 from lit_ddp.models.gpt import GPT, GPTConfig
 from lit_ddp.models.parallelize import clip_grad_norm_
-from lit_ddp.resilience import sharded
-from lit_ddp.resilience.resume import checkpoint_step, ranked_checkpoints
+from lit_ddp.run_dir import sharded
+from lit_ddp.run_dir.checkpoints import checkpoint_step, ranked_checkpoints
 from lit_ddp.strategies import gpt_tensor_parallel
 from lit_ddp.tensorboard import read_scalars
 from tests.helpers import QUIET, Runner, compose, lit_ddp, torchrun

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Callback
 
-from lit_ddp.resilience.resume import checkpoint_step
+from lit_ddp.run_dir.checkpoints import checkpoint_step
 from tests import helpers
 from tests.helpers import QUIET, compose, torchrun
 from tests.system.test_fault_tolerance import regression_args

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_ddp.resilience.run_lock import HOLDER_FILE
+from lit_ddp.run_dir.lock import HOLDER_FILE
 from tests.helpers import QUIET, Runner, compose, kill_group, lit_ddp, wait
 
 DDP = ["trainer/ddp", "regression/ddp"]

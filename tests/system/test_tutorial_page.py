@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from lit_ddp.resilience.resume import checkpoint_step
+from lit_ddp.run_dir.checkpoints import checkpoint_step
 from lit_ddp.tensorboard import read_scalars
 from tests.helpers import QUIET, REPO, Runner, noise_lines, page_figures, readme_commands, wait
 from tests.system.helpers_slurm import cancel, require_cluster, sbatch, wait_job_done

@@ -54,7 +54,7 @@ def test_a_checkpoint_trigger_given_alone_is_the_only_one(
 
 
 def test_fit_holds_the_run_directory(tmp_path: Path) -> None:
-    from lit_ddp.resilience.run_lock import HOLDER_FILE
+    from lit_ddp.run_dir.lock import HOLDER_FILE
 
     trainer_of(
         "--config", str(REPO / "configs/regression/single_device.yaml"), "--trainer.default_root_dir", str(tmp_path)

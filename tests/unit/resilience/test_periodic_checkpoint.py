@@ -168,7 +168,7 @@ def test_a_run_says_where_it_resumed_saves_its_end_and_knows_when_it_finished(
     import logging
 
     from lit_ddp.cli import cli_main
-    from lit_ddp.resilience.resume import checkpoint_step
+    from lit_ddp.run_dir.checkpoints import checkpoint_step
     from tests.helpers import QUIET, REPO
 
     caplog.set_level(logging.INFO)

@@ -144,7 +144,8 @@ def test_an_explicit_ckpt_path_is_honoured_once_per_job(
     Slurm requeue's restart count) resumes from what the job saved since X, or from X while it saved nothing
     (issue 21, item 5)."""
     from lit_ddp.cli import cli_main
-    from lit_ddp.resilience.resume import checkpoint_step, restart_count
+    from lit_ddp.resilience.resume import restart_count
+    from lit_ddp.run_dir.checkpoints import checkpoint_step
     from tests.helpers import QUIET, REPO
 
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""lit_ddp.resilience.sharded: a sharded checkpoint's directory appears whole or not at all, resume selection
+"""lit_ddp.run_dir.sharded: a sharded checkpoint's directory appears whole or not at all, resume selection
 reads it like a file and skips a torn one, and it reads back whole. (Written by FSDP2 on 2 processes, resumed on 1
 and 2, killed mid-save: ``tests/system/test_fsdp.py``.)"""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lit_ddp.resilience import sharded
-from lit_ddp.resilience.resume import checkpoint_step, find_resume_checkpoint, is_valid_checkpoint
+from lit_ddp.resilience.resume import find_resume_checkpoint
+from lit_ddp.run_dir import sharded
+from lit_ddp.run_dir.checkpoints import checkpoint_step, is_valid_checkpoint
 
 
 def _write(directory: Path, step: int) -> Path:

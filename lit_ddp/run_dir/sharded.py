@@ -7,8 +7,8 @@ the parameters and optimizer state, each rank writing its own shards; Lightning'
 atomically: Lightning writes into the target itself, so a process killed mid-save leaves a torn ``last.ckpt/``
 in place of the previous one. No library does this part, hence our own code: every rank writes into a hidden
 sibling directory (``.NAME.XXXX.tmp``, which no ``*.ckpt`` glob matches), and rank zero swaps it into place
-once every rank is done (``renameat2(RENAME_EXCHANGE)`` on Linux). Resume selection
-(:mod:`lit_ddp.resilience.resume`) reads such a directory's step from ``meta.pt`` and checks that every shard
+once every rank is done (``renameat2(RENAME_EXCHANGE)`` on Linux). Listing checkpoints
+(:mod:`lit_ddp.run_dir.checkpoints`) reads such a directory's step from ``meta.pt`` and checks that every shard
 file its ``.metadata`` names is there in full.
 """
 
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_ddp import compat
-from lit_ddp.resilience.checkpoint_io import fsync, umask
+from lit_ddp.run_dir.atomic import fsync, umask
 
 META = "meta.pt"
 """Lightning's file of a sharded checkpoint's non-tensor state (``lightning.fabric...._METADATA_FILENAME``)."""

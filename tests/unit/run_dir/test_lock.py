@@ -1,4 +1,4 @@
-"""lit_ddp.resilience.run_lock: one live job per run directory, released by the kernel when its holder dies."""
+"""lit_ddp.run_dir.lock: one live job per run directory, released by the kernel when its holder dies."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_ddp.resilience.run_lock import HOLDER_FILE, RunDirectoryBusy, hold_run_directory, job_rank
+from lit_ddp.run_dir.lock import HOLDER_FILE, RunDirectoryBusy, hold_run_directory, job_rank
 
-HOLD = "import sys, time; from lit_ddp.resilience.run_lock import hold_run_directory as h; h(sys.argv[1], {}); print('held', flush=True); time.sleep(120)"
+HOLD = "import sys, time; from lit_ddp.run_dir.lock import hold_run_directory as h; h(sys.argv[1], {}); print('held', flush=True); time.sleep(120)"
 
 
 @pytest.mark.parametrize(

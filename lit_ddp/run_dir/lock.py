@@ -20,10 +20,9 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp.errors import UsageError
-from lit_ddp.resilience.checkpoint_io import write_atomic
+from lit_ddp.run_dir.atomic import write_atomic
+from lit_ddp.run_dir.layout import HOLDER_FILE, LOCK_FILE
 
-LOCK_FILE = ".lit_ddp.lock"
-HOLDER_FILE = ".lit_ddp.holder.json"  # apart from the lock file, which filelock truncates when it opens it
 ORPHAN_WAIT_S = 30.0  # how long a dead holder's forked children may keep its lock
 
 _held: dict[str, FileLock] = {}  # by path, for the life of the process: the lock goes when the process does
