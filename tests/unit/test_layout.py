@@ -4,6 +4,7 @@ internals only in compat, the length of the minGPT reading path."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -42,7 +43,15 @@ def test_models_import_only_torch(path: Path) -> None:
 
 TUTORIAL = ("models", "data", "tasks", "recipe.py")
 """What a learner reads from a YAML to the tensor: it never imports the machinery."""
-MACHINERY = ("lit_ddp.resilience", "lit_ddp.launch", "lit_ddp.compat", "lit_ddp.cli")
+MACHINERY = (
+    "lit_ddp.resilience",
+    "lit_ddp.launch",
+    "lit_ddp.compat",
+    "lit_ddp.cli",
+    "lit_ddp.run_dir",
+    "lit_ddp.chaos",
+    "lit_ddp.errors",
+)
 
 
 def tutorial_modules() -> list[Path]:
@@ -138,3 +147,126 @@ def test_the_minGPT_tutorial_modules_are_at_most_1000_lines() -> None:
         f"the two YAMLs {sum(len(y.read_text().splitlines()) for y in yamls)} lines"
     )
     assert total <= 1000
+
+
+def graph_nodes() -> set[str]:
+    """lit_ddp's packages and top-level modules, as dotted names: ``lit_ddp.launch``, ``lit_ddp.cli``, ..."""
+    return {
+        f"lit_ddp.{p.stem if p.is_file() else p.name}"
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()
+    }
+
+
+def node_of(path_or_name: Path | str, nodes: set[str]) -> str | None:
+    """The package or top-level module a file (a path) or an imported name (dotted) belongs to; None for the
+    package's own ``__init__`` and names outside lit_ddp."""
+    if isinstance(path_or_name, Path):
+        parts = ["lit_ddp", *path_or_name.relative_to(PACKAGE).with_suffix("").parts]
+    else:
+        parts = path_or_name.split(".")
+    name = ".".join(parts[:2])
+    return name if parts[0] == "lit_ddp" and name in nodes else None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Who imports whom among :func:`graph_nodes`, from every ``import`` in the source (inside functions too)."""
+    nodes = graph_nodes()
+    graph: dict[str, set[str]] = {node: set() for node in nodes}
+    for path in MODULES:
+        source = node_of(path, nodes)
+        if source is None:
+            continue
+        for name in imported_modules(path):
+            target = node_of(name, nodes)
+            if target is not None and target != source:
+                graph[source].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state and (cycle := visit(target)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_the_package_uses_absolute_imports_only() -> None:
+    """What :func:`imported_modules` reads: a relative import would hide an edge of the import graph."""
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            assert not (isinstance(node, ast.ImportFrom) and node.level), f"{path.relative_to(REPO)}:{node.lineno}"
+
+
+def test_find_cycle_names_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_packages_and_top_level_modules_import_each_other_one_way() -> None:
+    """The import graph of lit_ddp's packages and top-level modules has no cycle: each layer can be read, tested and
+    replaced knowing only those below it. The message names a cycle."""
+    graph = import_graph()
+    print("\n".join(f"{node} -> {', '.join(sorted(targets))}" for node, targets in sorted(graph.items()) if targets))
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_run_directory_imports_only_the_bottom_layers() -> None:
+    """``lit_ddp.run_dir`` is a leaf: every layer may use it, and it uses none of them but the errors and compat."""
+    assert import_graph()["lit_ddp.run_dir"] <= {"lit_ddp.errors", "lit_ddp.compat"}
+
+
+def test_the_errors_and_compat_import_nothing_of_the_package() -> None:
+    graph = import_graph()
+    assert graph["lit_ddp.errors"] == set()
+    assert graph["lit_ddp.compat"] == set()
+
+
+def test_tools_users_run_are_imported_by_nobody() -> None:
+    """``chaos`` sits on top: only the ``lit-ddp`` command (:mod:`lit_ddp.cli`) reaches it, when asked for."""
+    assert {node for node, targets in import_graph().items() if "lit_ddp.chaos" in targets} == {"lit_ddp.cli"}
+
+
+LAYOUT_STRINGS = re.compile(r"(^|/)(checkpoints|set_aside)($|/)|last\.ckpt|hpc_ckpt|\.lit_ddp\.(lock|holder)")
+"""How a run directory's entries are spelled (:mod:`lit_ddp.run_dir.layout`)."""
+
+
+def code_strings(path: Path) -> list[tuple[int, str]]:
+    """The string constants of a module's code (f-strings' literal parts too), docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_run_directory_layout_is_spelled_in_one_module(path: Path) -> None:
+    """``checkpoints/``, ``last.ckpt``, ``hpc_ckpt_N.ckpt``, ``set_aside/`` and the lock's files are named in
+    :mod:`lit_ddp.run_dir.layout` only; everything else builds their paths from it."""
+    if path == PACKAGE / "run_dir" / "layout.py":
+        return
+    spelled = [f"{path.name}:{line} {value!r}" for line, value in code_strings(path) if LAYOUT_STRINGS.search(value)]
+    assert spelled == []
