@@ -44,6 +44,10 @@ from lit_ddp.run_dir.checkpoints import checkpoint_header, is_valid_checkpoint
 from lit_ddp.run_dir.layout import last_checkpoint
 
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")  # Lightning's ``_is_slurm_interactive_mode``
+SHARED_STORE_BREAKS_RESTARTS_ON = "2.9.1, 2.13.0 and 2.15.0"
+"""The torch versions on which a restarted group of plain torch breaks on torchrun's shared store, so that the
+refusal of ``--max-restarts`` without the opt-out stands: measured by
+``tests/system/test_reliability.py::test_torch_shared_store_still_breaks_restarts`` (``make test-torch TORCH=X``)."""
 
 
 def _class_paths(plugins: Any) -> list[str]:
@@ -99,7 +103,8 @@ def check_launch(trainer: Any, env: Mapping[str, str] | None = None) -> None:
                 "the workers: a restarted group would read the stopped group's keys and hang or fail to connect "
                 "(pytorch/pytorch#135712). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
                 "environment (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...`; slurm/train_elastic.sbatch "
-                "sets it), or with --max-restarts 0."
+                f"sets it), which torch {SHARED_STORE_BREAKS_RESTARTS_ON} are known to need (this is torch "
+                f"{torch.__version__}), or with --max-restarts 0."
             )
         return  # TorchElasticEnvironment: torchrun's --nproc_per_node / --nnodes decide
 
