@@ -77,8 +77,9 @@ def strided_rows_survive_linear(mesh: Any) -> bool:
     """Whether this torch's DTensor keeps :func:`strided_shard`'s rows through ``F.linear``: the output split by
     strided columns, as the rows of q, k and v are. torch 2.9.1 labels the output a plain ``Shard`` (and the weight's
     and bias's gradients too): a whole bias is then added from other heads' rows, and the gradients of q, k and v
-    are gathered into other rows; 2.13.0 and 2.15.0 keep the strided placement. DTensor's sharding rules on a tiny
-    input over ``mesh`` (1-D), in this process alone: no collective."""
+    are gathered into other rows (pytorch/pytorch#166598: DTensor's matmul rules took ``_StridedShard`` for the
+    ``Shard`` it subclassed there; #167887 made it no ``Shard``); 2.13.0 and 2.15.0 keep the strided placement.
+    DTensor's sharding rules on a tiny input over ``mesh`` (1-D), in this process alone: no collective."""
     from torch.distributed.tensor import DTensor, Replicate
 
     def on_mesh(local: torch.Tensor, placement: Any) -> Any:
