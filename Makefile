@@ -4,8 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # torch is pinned and installed first: an unpinned torch pulls several GB of CUDA wheels.
 TORCH_VERSION ?= 2.13.0
-# `make train` composes these configs in order (DDP fragment, then the step config).
-CONFIGS ?= configs/trainer/ddp.yaml configs/mingpt/cpu.yaml
+# `make train` composes these configs in order (DDP fragment, then the step config): configs/mingpt/gpu.yaml where
+# torch sees a CUDA device, configs/mingpt/cpu.yaml otherwise: the venv's torch is asked (lit_ddp.launch.main_job)
+# when the recipe runs, after `venv` (`?=` expands a variable where it is used, not here).
+CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
 .PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu clean
@@ -45,6 +47,14 @@ test: venv lint
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
+# The unit tests and a few system tests (torchrun, FSDP2, chaos, torch's shared store) on another torch, in a side
+# venv .venv-torch-X: `make test-torch TORCH=2.15.0` (8 minutes from scratch, 6 with the venv built). Not part of
+# `make test`, which runs TORCH_VERSION.
+.PHONY: test-torch
+test-torch:
+	$(if $(TORCH),,$(error say which torch: make test-torch TORCH=2.15.0))
+	PYTHON=$(PYTHON) TEST_WORKERS=$(TEST_WORKERS) bash scripts/test_torch.sh $(TORCH)
+
 # What checkpointing costs per step (synchronous vs asynchronous saves).
 bench: venv
 	$(BIN)/python -m bench.checkpoint_overhead $(BENCH_ARGS)
@@ -62,10 +72,21 @@ bench-recovery: venv
 bench-fsdp: venv
 	$(BIN)/python -m bench.fsdp $(BENCH_ARGS)
 
-# The GPU path (GPU machines only, 8 to 10 minutes on one H100): the tutorial's minGPT in bf16 over NCCL under DDP
-# and FSDP2, each killed twice by lit-ddp chaos and compared bit for bit with an uninterrupted run; tokens/s, MFU.
-bench-gpu: venv
-	PYTHON=$(BIN)/python bash bench/gpu_path.sh
+# One GPU check in at most 7 minutes (GPU machines; bench/gpu_check.py): the GPU main job against nanoGPT's GPU recipe,
+# the tutorial config's tokens/s and MFU, restart seconds, the deterministic kernels' cost, three fits at once ending
+# promptly, lit-ddp chaos under FSDP2 and DDP, generate on the GPU, each part alone and time-boxed; one table (also
+# under $OUT, else runs/bench_gpu). With PYTHON given (`make bench-gpu PYTHON=python3`, a GPU image): that Python and no
+# venv; the wheels in .whl/ are installed into /tmp/site where it lacks them. BENCH_GPU_PARTS="..." runs some parts;
+# BENCH_GPU_DRY=1 runs every part on the CPU with tiny sizes (the plumbing, a few minutes).
+BENCH_GPU_PYTHON = $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(BIN)/python)
+BENCH_GPU_DEPS = $(if $(filter command line environment,$(origin PYTHON)),,venv)
+.PHONY: bench-gpu-speed
+bench-gpu: $(BENCH_GPU_DEPS)
+	$(BENCH_GPU_PYTHON) -m bench.gpu_check
+
+# The GPU main job against the nanoGPT reference alone (issue 44's speed benchmark, about 3 minutes on one H100).
+bench-gpu-speed: $(BENCH_GPU_DEPS)
+	BENCH_GPU_PARTS="main reference" $(BENCH_GPU_PYTHON) -m bench.gpu_check
 
 bench-save: venv
 	$(BIN)/python -m bench.atomic_save $(BENCH_ARGS)

@@ -1,6 +1,6 @@
-"""The GPU main job where a GPU is (skipped elsewhere), shortened, prints no line of the noise list (issue 43:
-Lightning's TF32 tip, its model summary's warning under bf16-mixed, torch's AccumulateGrad stream warning, and the
-CPU ones)."""
+"""The GPU main job where a GPU is (skipped elsewhere): ``make train``'s composition on a machine where torch sees CUDA,
+shortened, prints no line of the noise list (issue 43: Lightning's TF32 tip, its model summary's warning under
+bf16-mixed, torch's AccumulateGrad stream warning, and the CPU ones)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import CONFIGS, Runner, noise_lines
+from lit_ddp.launch.main_job import GPU_CONFIGS, default_configs
+from tests.helpers import REPO, Runner, noise_lines
 
 
 @pytest.mark.gpu
@@ -19,7 +20,8 @@ from tests.helpers import CONFIGS, Runner, noise_lines
 def test_gpu_main_job_makes_no_noise(tmp_path: Path, runner: Runner) -> None:
     """40 steps of configs/mingpt/gpu.yaml as configured (compiled, bf16 autocast, DDP over every GPU), validating at
     steps 20 and 40: it trains on the GPU, and its output holds no noise line (the model summary is on)."""
-    configs = ["--config", str(CONFIGS / "trainer" / "ddp.yaml"), "--config", str(CONFIGS / "mingpt" / "gpu.yaml")]
+    assert default_configs() == GPU_CONFIGS  # what `make train` composes here
+    configs = [a for c in GPU_CONFIGS for a in ("--config", str(REPO / c))]
     short = ["--trainer.max_steps", "40", "--trainer.val_check_interval", "20",
              "--trainer.enable_progress_bar", "false"]  # fmt: skip
     result = runner.fit(*configs, *short, "--trainer.default_root_dir", str(tmp_path), timeout=400)

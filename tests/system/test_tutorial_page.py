@@ -5,7 +5,7 @@ val/loss, within the page's stated tolerance (issue 25).
 The commands are the README's own, with a temporary run directory and no progress bar appended; minGPT's rows
 stop at their first validation (``--trainer.max_steps 100``: the warmup is the first 100 steps whatever
 max_steps is, so that validation is the full run's), the regression's run whole (seconds each). Not run: the
-GPU row (measured on a GPU machine by bench/gpu_path.sh), and the 10-minute row, whose first validation (step 300)
+GPU row (measured on a GPU machine), and the 10-minute row, whose first validation (step 300)
 comes after its cosine decay began.
 """
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +20,7 @@ import torch
 import yaml
 
 from lit_ddp.cli import cli_main
+from lit_ddp.launch.main_job import CPU_CONFIGS, GPU_CONFIGS, default_configs
 from tests.helpers import CONFIGS, REPO, noise_lines, page_figures, readme_commands
 
 ALL = sorted(CONFIGS.rglob("*.yaml"))
@@ -57,9 +61,8 @@ def readme_compositions() -> dict[str, list[str]]:
             after = words[words.index("slurm/train.sbatch") + 1 :]  # CONFIG, then overrides such as --config F
             overrides = [after[i + 1] for i, w in enumerate(after) if w == "--config"]
             found[command] = [*SBATCH_FRAGMENTS, after[0], *overrides]
-        elif words[:2] == ["make", "train"] and len(words) == 2:
-            makefile = (REPO / "Makefile").read_text()
-            found[command] = re.search(r"^CONFIGS \?= (.+)$", makefile, re.M).group(1).split()
+        elif words[:2] == ["make", "train"] and len(words) == 2:  # the Makefile's choice on this machine
+            found[command] = list(default_configs())
     return found
 
 
@@ -223,6 +226,53 @@ def test_readme_command_builds_its_ddp_without_warnings(
         ), f"{command}: DDP broadcasts buffers every step"
     finally:
         dist.destroy_process_group()
+
+
+def make_train_command(python: Path) -> list[str]:
+    """The ``lit-ddp fit`` command ``make -n train`` prints when the Makefile asks ``python`` which configs to compose
+    (``BIN`` is ``python``'s folder), split into words."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIGS", "MAKEFLAGS", "MFLAGS")}
+    result = subprocess.run(
+        ["make", "-n", "train", f"BIN={python.parent}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stdout.splitlines() if " fit " in line]
+    return shlex.split(line)
+
+
+def composed(words: list[str]) -> list[str]:
+    return [words[i + 1] for i, w in enumerate(words) if w == "--config"]
+
+
+def test_make_train_chooses_the_cpu_config_here() -> None:
+    """``make train`` composes the CPU main job where torch sees no CUDA device (this machine, this interpreter), as
+    ``lit_ddp.launch.main_job`` says; the README's ``make train`` commands are checked as that composition."""
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here")
+    assert default_configs() == CPU_CONFIGS
+    assert composed(make_train_command(Path(sys.executable))) == list(CPU_CONFIGS)
+
+
+def test_make_train_chooses_the_gpu_config_where_cuda_is_reported(tmp_path: Path) -> None:
+    """Where torch reports a CUDA device, ``make train`` composes ``configs/mingpt/gpu.yaml``: the Makefile asks a
+    ``python`` that is this interpreter with ``torch.cuda.is_available`` answering True."""
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    report_cuda = "import runpy, sys, torch; torch.cuda.is_available = lambda: True; del sys.argv[:2]; "
+    report_cuda += "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+    # the Makefile runs `python -m lit_ddp.launch.main_job`: argv[1:] is ['-m', 'lit_ddp.launch.main_job']
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(report_cuda)} "$@"\n')
+    python.chmod(0o755)
+    assert composed(make_train_command(python)) == list(GPU_CONFIGS)
+
+
+def test_default_configs_follow_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the Makefile asks (``python -m lit_ddp.launch.main_job``): the GPU main job where torch reports a CUDA
+    device, the CPU one otherwise; both exist."""
+    for available, expected in ((True, GPU_CONFIGS), (False, CPU_CONFIGS)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        assert default_configs() == expected
+    assert all((REPO / path).is_file() for path in (*CPU_CONFIGS, *GPU_CONFIGS))
 
 
 # The GPU main job on this CPU: the same config, on one CPU process, without compiling, a tiny model for 5 steps.
