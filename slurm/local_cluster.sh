@@ -23,6 +23,10 @@
 #   SLURM_LOCAL_WAIT         seconds to wait for the nodes to be idle (default 60)
 #   SLURM_LOCAL_CPUS         CPUs each node advertises (default 8; more than the machine has lets a second
 #                            job start while a 2-task job runs)
+#   SLURM_LOCAL_GPUS         GPUs each node declares as generic resources (default 2; 0: none): Gres=gpu:G per node
+#                            and a gres.conf whose File= entries are G character devices $SLURM_LOCAL_BASE/dev/gpuK
+#                            (mknod), so --gres=gpu:G / --gpus-per-task=1 set CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS
+#                            and SLURM_GPUS_ON_NODE as a real site's nodes would (no CUDA behind them)
 #   SLURM_LOCAL_CRED_EXPIRE  AuthInfo cred_expire = wait before a requeued job may restart (default 10, min 5)
 #   SLURM_LOCAL_KEEP_STATE=1 keep the controller's job state across restarts
 # Slurm 22.05 (Debian 12) settings that matter: proctrack/linuxproc + task/affinity + no job accounting (no
@@ -152,11 +156,15 @@ start_munge() {
   log "started munged (pid $(cat "$RUN/munged.pid"))"
 }
 
-write_conf() { # sets CONF_CHANGED (any change) and OLD_NODES (the node set of the conf it replaces)
+write_conf() { # sets CONF_CHANGED (any change), OLD_GRES (its nodes' Gres=) and OLD_NODES (the node set of the conf it replaces)
   local realmem ncpu i name
   realmem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' | head -1)
   realmem=$((realmem * 95 / 100))
   ncpu=${SLURM_LOCAL_CPUS:-8}
+  ngpu=${SLURM_LOCAL_GPUS:-2}
+  [[ $ngpu =~ ^[0-9]+$ ]] || die "SLURM_LOCAL_GPUS must be a count, got '$ngpu'"
+  gres=""
+  [ "$ngpu" = 0 ] || gres=" Gres=gpu:${ngpu}"
   {
     cat <<CONF
 # $MARK
@@ -194,13 +202,14 @@ KillWait=5
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 CONF
+    [ "$ngpu" = 0 ] || echo "GresTypes=gpu"
     if [ "$NNODES" = 1 ]; then
-      echo "NodeName=${HOST} NodeAddr=127.0.0.1 CPUs=${ncpu} RealMemory=${realmem} State=UNKNOWN"
+      echo "NodeName=${HOST} NodeAddr=127.0.0.1 CPUs=${ncpu} RealMemory=${realmem}${gres} State=UNKNOWN"
     else # one slurmd per node on this host: each its own name and port
       i=0
       for name in "${NODES[@]}"; do
         echo "NodeName=${name} NodeHostname=${HOST} NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + i))" \
-          "CPUs=${ncpu} RealMemory=${realmem} State=UNKNOWN"
+          "CPUs=${ncpu} RealMemory=${realmem}${gres} State=UNKNOWN"
         i=$((i + 1))
       done
     fi
@@ -212,14 +221,45 @@ CONF
     echo "PartitionName=low Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60"
   } >"$BASE/etc/slurm.conf"
   mkdir -p /etc/slurm
+  write_gres_conf
   if [ -e /etc/slurm/slurm.conf ] && ! grep -q "$MARK" /etc/slurm/slurm.conf; then
     cp /etc/slurm/slurm.conf /etc/slurm/slurm.conf.before-lit-ddp
     log "kept the previous /etc/slurm/slurm.conf as slurm.conf.before-lit-ddp"
   fi
   OLD_NODES=$(conf_nodes /etc/slurm/slurm.conf | paste -sd " ")
+  OLD_GRES=$(sed -n 's/^NodeName=.* \(Gres=[^ ]*\).*/\1/p' /etc/slurm/slurm.conf 2>/dev/null | sort -u | paste -sd " ")
   CONF_CHANGED=1
   cmp -s "$BASE/etc/slurm.conf" /etc/slurm/slurm.conf && CONF_CHANGED=0
   install -m 0644 "$BASE/etc/slurm.conf" /etc/slurm/slurm.conf
+}
+
+# write_gres_conf: $BASE/etc/gres.conf -> /etc/slurm/gres.conf, the GPUs of every node as device files that exist (a
+# slurmd refuses a File= that is not a character or block device); all nodes of this machine share them, as each
+# real node has its own /dev/nvidiaK.
+# Slurm hands them out by index: a task bound to the second one sees CUDA_VISIBLE_DEVICES=1.
+write_gres_conf() {
+  local k
+  if [ "$ngpu" = 0 ]; then
+    [ -f /etc/slurm/gres.conf ] && grep -q "$MARK" /etc/slurm/gres.conf && rm -f /etc/slurm/gres.conf
+    return 0
+  fi
+  mkdir -p "$BASE/dev"
+  for k in $(seq 0 $((ngpu - 1))); do # character devices as NVIDIA's (major 195), with no driver behind them
+    [ -c "$BASE/dev/gpu$k" ] || {
+      rm -f "$BASE/dev/gpu$k"
+      mknod "$BASE/dev/gpu$k" c 195 "$k" || die "cannot create the device file $BASE/dev/gpu$k (mknod); SLURM_LOCAL_GPUS=0 declares none"
+    }
+  done
+  {
+    echo "# $MARK"
+    echo "AutoDetect=off"
+    echo "NodeName=$(node_names "$NNODES" | paste -sd ,) Name=gpu File=$BASE/dev/gpu[0-$((ngpu - 1))]"
+  } >"$BASE/etc/gres.conf"
+  if [ -e /etc/slurm/gres.conf ] && ! grep -q "$MARK" /etc/slurm/gres.conf; then
+    cp /etc/slurm/gres.conf /etc/slurm/gres.conf.before-lit-ddp
+    log "kept the previous /etc/slurm/gres.conf as gres.conf.before-lit-ddp"
+  fi
+  install -m 0644 "$BASE/etc/gres.conf" /etc/slurm/gres.conf
 }
 
 # hosts_update NAME...: our one /etc/hosts line maps to 127.0.0.1 exactly those NAMEs that no other line
@@ -372,10 +412,11 @@ start() {
   install_packages
   start_munge
   write_conf
-  if [ "$OLD_NODES" != "${NODES[*]}" ] || [ -e "$RUN/slurmd.pid" ]; then
-    # A different node set: slurmctld 22.05 takes added or removed nodes only at a restart.
+  if [ "$OLD_NODES" != "${NODES[*]}" ] || [ "$OLD_GRES" != "${gres# }" ] || [ -e "$RUN/slurmd.pid" ]; then
+    # A different node set or GPU count: slurmctld 22.05 takes added or removed nodes (and a node's changed Gres
+    # only with its slurmd) at a restart.
     if alive "$RUN/slurmctld.pid" slurmctld || [ -n "$(slurmd_pidfiles)" ]; then
-      log "node set changes (${OLD_NODES:-none} -> ${NODES[*]}): restarting slurmctld and the slurmds"
+      log "node set changes (${OLD_NODES:-none} ${OLD_GRES} -> ${NODES[*]}${gres}): restarting slurmctld and the slurmds"
       cancel_jobs
       # shellcheck disable=SC2046
       stop_pids slurmd $(slurmd_pidfiles)
