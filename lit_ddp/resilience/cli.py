@@ -20,7 +20,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_ddp.launch.environment import TorchrunEnvironment, config_value, follow_torchrun
+from lit_ddp.launch.environment import (
+    TorchrunEnvironment,
+    config_value,
+    follow_slurm_port,
+    follow_torchrun,
+    task_gpu_accelerator,
+)
 from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, run_preflight
 from lit_ddp.launch.reporting import mark_running
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
@@ -151,6 +157,8 @@ class ResilientCLI(LightningCLI):
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
         run_preflight(config.get("trainer"))
+        if change := follow_slurm_port():  # a port per job step, not Lightning's one per job
+            rank_zero_info(change)
         if self.subcommand == "fit":  # one live job per run directory (rank zero holds it until it exits)
             hold_run_directory(str(config.trainer.default_root_dir))
 
@@ -162,6 +170,9 @@ class ResilientCLI(LightningCLI):
         if "TORCHELASTIC_RUN_ID" in os.environ and not any(isinstance(p, ClusterEnvironment) for p in plugins):
             plugins = [*plugins, TorchrunEnvironment()]  # nodes may run different numbers of processes
         kwargs["plugins"] = plugins
+        if accelerator := task_gpu_accelerator(trainer_config.get("accelerator")):
+            kwargs["accelerator"] = accelerator  # srun bound one GPU to each task: cuda:0, not cuda:LOCAL_RANK
+            rank_zero_info("Slurm bound one GPU to each task (CUDA_VISIBLE_DEVICES): each trains on its cuda:0")
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
