@@ -72,6 +72,9 @@ def slurm_env(**extra: str) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(VENV_BIN), env.get("PATH", "")])
     env["LIT_DDP_PYTHON"] = extra.get("LIT_DDP_PYTHON", sys.executable)
     env["LIT_DDP_TORCHRUN"] = str(VENV_BIN / "torchrun")
+    # No DataLoader worker processes in the jobs (the sbatch scripts start cpus-per-task - 1 per rank): the local
+    # nodes advertise 8 CPUs on this machine's 2 cores. Chaos runs inherit it (they take the LIT_DDP_* variables).
+    env.setdefault("LIT_DDP_LOADER_WORKERS", "0")
     if helpers.ONE_THREAD_PER_PROCESS and "OMP_NUM_THREADS" not in extra:
         del env["OMP_NUM_THREADS"]  # tests/conftest.py's, for local processes: a job's follow its CPUs
     for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))]:
@@ -81,7 +84,11 @@ def slurm_env(**extra: str) -> dict[str, str]:
 
 
 def sbatch(script: str, args: list[str], opts: list[str], timeout: float = 30, **env: str) -> str:
-    """Submits ``script ARGS`` with sbatch ``OPTS`` from the repo root and returns the job id."""
+    """Submits ``script ARGS`` with sbatch ``OPTS`` from the repo root and returns the job id. One CPU per task unless
+    ``OPTS`` give ``--cpus-per-task`` (``slurm/train.sbatch`` defaults to 4, for its loader workers: too many threads
+    for this 2-core machine)."""
+    if not any(o == "-c" or o.startswith("--cpus-per-task") for o in opts):
+        opts = ["--cpus-per-task", "1", *opts]
     cmd = ["sbatch", "--parsable", *opts, str(REPO / script), *args]
     out = subprocess.run(cmd, cwd=REPO, env=slurm_env(**env), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{cmd} failed: {out.stderr}"
