@@ -12,6 +12,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import cuda as pytorch_cuda
 from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero as pytorch_rank_zero
+from lightning_utilities.core import rank_zero as utilities_rank_zero
 
 from lit_ddp.errors import UsageError
 from lit_ddp.launch.environment import (
@@ -112,6 +114,10 @@ def test_bound_task_trains_on_cuda_0(monkeypatch: pytest.MonkeyPatch, accelerato
     here): Lightning's ``gpu`` asks for cuda:0 and cuda:1 and refuses; :class:`TaskGPUAccelerator` gives the strategy
     cuda:0 twice, so the task's root device is its GPU and the world stays 4 processes of 2 per node."""
     monkeypatch.setattr(os, "environ", {**os.environ, **TASK_3, "CUDA_VISIBLE_DEVICES": "1"})
+    # The strategy makes this process rank 3 for Lightning's rank-zero-only output: back to what it was afterwards,
+    # or every later test in this worker loses its warnings and messages.
+    for module in (pytorch_rank_zero, utilities_rank_zero):
+        monkeypatch.setattr(module.rank_zero_only, "rank", module.rank_zero_only.rank)
     monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 1)
     monkeypatch.setattr(pytorch_cuda, "num_cuda_devices", lambda: 1)
     kwargs = {"devices": 2, "num_nodes": 2, "strategy": DDPStrategy(), "logger": False, "enable_checkpointing": False}
