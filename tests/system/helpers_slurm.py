@@ -85,8 +85,7 @@ def slurm_env(**extra: str) -> dict[str, str]:
 
 def sbatch(script: str, args: list[str], opts: list[str], timeout: float = 30, **env: str) -> str:
     """Submits ``script ARGS`` with sbatch ``OPTS`` from the repo root and returns the job id. One CPU per task unless
-    ``OPTS`` give ``--cpus-per-task`` (``slurm/train.sbatch`` defaults to 4, for its loader workers: too many threads
-    for this 2-core machine)."""
+    ``OPTS`` give ``--cpus-per-task`` (the scripts' default: a site's may differ)."""
     if not any(o == "-c" or o.startswith("--cpus-per-task") for o in opts):
         opts = ["--cpus-per-task", "1", *opts]
     cmd = ["sbatch", "--parsable", *opts, str(REPO / script), *args]

@@ -28,8 +28,8 @@ def test_sbatch_scripts_as_the_issue_asks() -> None:
         # a rendezvous port per job step (lit_ddp.launch.environment.step_port's rule), unless RDZV_PORT is given
         and "port=${RDZV_PORT:-$((25000 + (SLURM_JOB_ID + 7919 * SLURM_STEP_ID) % 5000))}" in elastic
     )
-    # cores for the loader workers: 4 per task by default, cpus-per-task - 1 workers per rank after CONFIG
-    assert "#SBATCH --cpus-per-task=4" in train and "#SBATCH --cpus-per-task=2" in elastic
+    # cores for the loader workers: cpus-per-task - 1 workers per rank after CONFIG (the default, 1: none)
+    assert "#SBATCH --cpus-per-task=1" in train and "#SBATCH --cpus-per-task=2" in elastic
     assert re.search(r'--config "\$CONFIG" --data\.init_args\.num_workers "\$WORKERS" "\$@"', train)
     assert re.search(r'--config "\$CONFIG" --data\.init_args\.num_workers "\$WORKERS"', elastic)
     assert "WORKERS=${LIT_DDP_LOADER_WORKERS:-$((CPUS > 1 ? CPUS - 1 : 0))}" in train
