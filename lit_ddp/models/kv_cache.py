@@ -37,26 +37,24 @@ def generate(
 ) -> torch.Tensor:
     """``idx (B, T) -> (B, T + max_new_tokens)``: :meth:`GPT.generate` with a key-value cache (same arguments, same
     tokens for the same ``generator``). Call ``model.eval()`` first, as for ``GPT.generate``."""
-    block_size = model.config.block_size
-    cache: Cache = []
-    for _ in range(max_new_tokens):
-        if idx.size(1) > block_size:  # the window slides: every cached key and value is stale (module docstring)
-            logits = model(idx[:, -block_size:])[0][:, -1, :]  # (B, V)
-        else:  # the prompt first, then one token at a time
-            logits = _forward(model, idx[:, cache[0][0].size(2) if cache else 0 :], cache)  # (B, V)
-        # GPT.generate's choice of the next token, on the same logits
-        logits = logits.float()
-        if temperature == 0:
-            idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)  # (B, V)
-            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
-        idx = torch.cat((idx, idx_next), dim=1)
-    return idx
+    return GPT.generate(cast(GPT, _Cached(model)), idx, max_new_tokens, temperature, top_k, generator)
+
+
+class _Cached:
+    """What :meth:`GPT.generate` calls as ``self``: the model's ``config`` and a forward over the context it is given
+    that computes only the positions the cache lacks, so that ``GPT.generate``'s own loop chooses every token."""
+
+    def __init__(self, model: GPT) -> None:
+        self.model, self.config, self.cache = model, model.config, cast(Cache, [])
+
+    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``idx (B, T)``, the context (the last ``block_size`` tokens) -> ``(logits (B, 1, V), None)`` of its last
+        position: through the cache where ``idx`` is the cached positions plus one new token (or the cache is empty),
+        else (the window slid: every cached key and value is stale, module docstring) the whole window again."""
+        cached = self.cache[0][0].size(2) if self.cache else 0
+        if self.cache and idx.size(1) != cached + 1:
+            return self.model(idx)[0][:, -1:, :], None
+        return _forward(self.model, idx[:, cached:], self.cache)[:, None, :], None
 
 
 def _forward(model: GPT, idx: torch.Tensor, cache: Cache) -> torch.Tensor:
