@@ -225,7 +225,7 @@ class ResilientCLI(LightningCLI):
         if given is not None and resume and restart_count() == 0:
             if self.trainer.is_global_zero:  # a rollback: the newer files are abandoned
                 set_aside_later_checkpoints(root, checkpoint_dir(root), str(given))
-            self.trainer.strategy.barrier("lit_ddp_set_aside")
+            self.trainer.strategy.barrier("lit_ddp_later_checkpoints_moved")
         elif given is None or resume:  # the run directory; a restarted job's --ckpt_path only until it saved
             check_resumable(root, checkpoint_dir(root))  # before the logger writes anything
             resume_from_agreed_checkpoint(
