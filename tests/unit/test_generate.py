@@ -1,5 +1,5 @@
 """lit_ddp.generate: ``lit-ddp generate`` from a checkpoint's hyperparameters and weights alone (no data), on a chosen
-device, ``sample()``'s default prompt, and the usage errors and foreign files it refuses."""
+device, ``sample()``'s default prompt and its threads on a CPU, and the usage errors and foreign files it refuses."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from lit_ddp.callbacks.text_samples import TextSampleCallback
 from lit_ddp.cli import cli_main
 from lit_ddp.data.char import build_vocab
 from lit_ddp.generate import DEFAULT_PROMPT, generate, sample, sampling_device
+from lit_ddp.models import kv_cache
 from lit_ddp.tasks.mingpt import GPTModule
 
 TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 40
@@ -128,3 +129,25 @@ def test_bad_sampling_arguments_refused_by_sample_and_at_callback_construction(k
         sample(tiny_module(), **kwargs)
     with pytest.raises(ValueError, match=message):
         TextSampleCallback(**kwargs)
+
+
+def test_sample_on_a_cpu_uses_one_thread_and_restores_torch_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each token is a tiny forward: threads only wait on each other, badly when other jobs share the cores
+    (tests/system/test_prompt_exit.py). ``cpu_threads=None`` keeps torch's setting."""
+    seen: list[int] = []
+    real = kv_cache.generate
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "generate", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sample(tiny_module(), max_new_tokens=3)
+        assert torch.get_num_threads() == 2
+        sample(tiny_module(), max_new_tokens=3, cpu_threads=None)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
