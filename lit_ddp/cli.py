@@ -88,7 +88,7 @@ class LitDDPCLI(ResilientCLI):
         )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        trainer_config = self._get(self.config_init, "trainer", default={})
+        trainer_config = self.option(self.config_init, "trainer", default={})
         logger = trainer_config.get("logger")
         if logger is None or logger is True:
             kwargs["logger"] = HParamsTensorBoardLogger(
@@ -114,7 +114,7 @@ class LitDDPCLI(ResilientCLI):
             kwargs["enable_model_summary"] = False
         kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
-        set_float32_matmul_precision(self._get(self.config, "float32_matmul_precision"), trainer.accelerator)
+        set_float32_matmul_precision(self.option(self.config, "float32_matmul_precision"), trainer.accelerator)
         return trainer
 
     def after_fit(self) -> None:

@@ -162,8 +162,13 @@ class ResilientCLI(LightningCLI):
         if self.subcommand == "fit":  # one live job per run directory (rank zero holds it until it exits)
             hold_run_directory(str(config.trainer.default_root_dir))
 
+    def option(self, config: Any, key: str, default: Any = None) -> Any:
+        """``key`` of the running subcommand's part of ``config`` (``self.config`` or ``self.config_init``), or
+        ``default``: what Lightning's private ``LightningCLI._get`` reads."""
+        return (config[self.subcommand] if self.subcommand else config).get(key, default)
+
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        trainer_config = self._get(self.config_init, "trainer", default={})
+        trainer_config = self.option(self.config_init, "trainer", default={})
         plugins = _as_list(trainer_config.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins = [*plugins, AtomicCheckpointIO()]
