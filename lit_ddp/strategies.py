@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch import strategies as lightning_strategies
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -52,21 +51,22 @@ def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, Any]:
     return {"broadcast_buffers": sync_buffers}
 
 
-class DDPStrategy(lightning_strategies.DDPStrategy):
+class DDPStrategy(compat.DDPOnTheTrainingStream):
     """Lightning's ``DDPStrategy`` with the per-step buffer broadcast chosen by ``sync_buffers`` on every supported
-    torch (:func:`ddp_buffer_kwargs`), so that one YAML (``configs/trainer/ddp.yaml``) runs without a warning or a
-    rejected option from torch 2.9 to 2.15, and DDP built on the stream that trains (:meth:`_setup_model`).
+        torch (:func:`ddp_buffer_kwargs`), so that one YAML (``configs/trainer/ddp.yaml``) runs without a warning or a
+        rejected option from torch 2.9 to 2.15, and DDP built on the stream that trains
+    (:class:`lit_ddp.compat.DDPOnTheTrainingStream`).
 
-    Args:
-        sync_buffers: True: DDP broadcasts every buffer from rank zero before each forward, a blocking collective per
-            step, which a model whose training changes its buffers (BatchNorm's running statistics) wants, or
-            SyncBatchNorm. False (the default): no per-step broadcast; this project's models have no buffer that
-            training changes.
-        **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout``, ``process_group_backend``, ...) and
-            ``DistributedDataParallel``'s, except its buffer arguments.
+        Args:
+            sync_buffers: True: DDP broadcasts every buffer from rank zero before each forward, a blocking collective per
+                step, which a model whose training changes its buffers (BatchNorm's running statistics) wants, or
+                SyncBatchNorm. False (the default): no per-step broadcast; this project's models have no buffer that
+                training changes.
+            **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout``, ``process_group_backend``, ...) and
+                ``DistributedDataParallel``'s, except its buffer arguments.
 
-    Raises:
-        ValueError: ``forward_sync_buffers`` or ``broadcast_buffers`` among ``kwargs`` (say ``sync_buffers``).
+        Raises:
+            ValueError: ``forward_sync_buffers`` or ``broadcast_buffers`` among ``kwargs`` (say ``sync_buffers``).
     """
 
     def __init__(self, sync_buffers: bool = False, **kwargs: Any) -> None:
@@ -77,19 +77,6 @@ class DDPStrategy(lightning_strategies.DDPStrategy):
                     f"(lit_ddp.strategies.DDPStrategy passes it to DDP under the name this torch knows)"
                 )
         super().__init__(**kwargs, **ddp_buffer_kwargs(sync_buffers))
-
-    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
-        """DDP around ``model``, built on the current CUDA stream, the one every forward and backward then runs on.
-
-        Lightning (up to 2.6.6 at least) builds it under a new side stream (for whole-network CUDA graph capture,
-        which nothing here does). DDP's reducer keeps the parameters' AccumulateGrad nodes it creates then, each
-        bound to that side stream, while the gradients arrive from the default stream: torch >= 2.10 warns at the
-        first backward ("The AccumulateGrad node's stream does not match the stream of the node that produced the
-        incoming gradient", asking for DDP to be built "under the same stream as subsequent forwards"), and each
-        backward may wait on the side stream. Lightning-AI/pytorch-lightning#21567, fixed by #21746 (after 2.6.6).
-        On CPU (``device_ids`` None) Lightning opens no stream, and this builds what it builds.
-        """
-        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
 
 def forward_is_collective(module: nn.Module) -> bool:

@@ -41,9 +41,9 @@ class HParamsTensorBoardLogger(TensorBoardLogger):
         self, params: dict[str, Any] | Namespace, metrics: dict[str, Any] | None = None, step: int | None = None
     ) -> None:
         super().log_hyperparams(params, metrics, step)  # hparams.yaml (and the events when metrics are given)
-        if metrics is not None or self._default_hp_metric or not self.hparams_metrics:
+        if metrics is not None or compat.default_hp_metric(self) or not self.hparams_metrics:
             return
-        flat = self._sanitize_params(compat.flatten_hparams(params))
+        flat = compat.tensorboard_hparams(self, params)
         writer = compat.tensorboard_file_writer(self.experiment)
         for summary in hparams_summaries(flat, dict.fromkeys(self.hparams_metrics, 0.0)):
             writer.add_summary(summary, step)

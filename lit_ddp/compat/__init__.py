@@ -1,5 +1,5 @@
-"""Every use of Lightning's and torch's private internals, in one place: ``lightning.py`` and ``torch.py``, one module
-per library, re-exported here (``from lit_ddp import compat; compat.should_accumulate(trainer)``).
+"""Every use of Lightning's and torch's private internals, in one place: ``lightning.py`` (with
+``lightning_strategies.py``) and ``torch.py``, by library, re-exported here (``from lit_ddp import compat; compat.should_accumulate(trainer)``).
 
 Each function names what it works around (an upstream issue or PR where there is one); a workaround of a bug states
 the torch or Lightning versions known to have it and turns itself off where a version has fixed it (by a version
@@ -17,32 +17,40 @@ from lit_ddp.compat.lightning import (
     LIGHTNING_REKEYS_BY_MODEL_ORDER,
     after_lightning_signal_handlers,
     batches_that_stepped,
+    checkpoint_state_key,
     collect_rng_states,
+    compute_dtype,
+    default_hp_metric,
     disable_sigterm_broadcast,
     flatten_hparams,
     hpc_save_path,
     install_resume_resolver,
     is_object_storage,
     last_saved_step,
-    optimizer_states_numbered_by_their_groups,
+    log_metrics,
     pending_train_step_log,
     restore_train_loaders,
     save_last_checkpoint,
     set_batches_that_stepped,
-    set_model_parallel_sizes,
     set_rng_states,
-    set_strategy_timeout,
     should_accumulate,
     should_update_logs,
     show_resumed_epoch,
     start_the_epoch_after_a_last_batch_restart,
-    strategy_timeout,
-    threads_like_rank_zero,
+    tensorboard_hparams,
     train_loader_states,
     train_loaders,
     undo_epoch_end_recount,
     validation_due,
     wait_for_async_writes,
+)
+from lit_ddp.compat.lightning_strategies import (
+    DDPOnTheTrainingStream,
+    optimizer_states_numbered_by_their_groups,
+    set_model_parallel_sizes,
+    set_strategy_timeout,
+    strategy_timeout,
+    threads_like_rank_zero,
 )
 from lit_ddp.compat.torch import (
     dcp_storage_extents,
@@ -62,9 +70,13 @@ __all__ = [
     "TORCH_VERSION",
     "after_lightning_signal_handlers",
     "batches_that_stepped",
+    "checkpoint_state_key",
+    "DDPOnTheTrainingStream",
     "collect_rng_states",
+    "compute_dtype",
     "dcp_storage_extents",
     "default_store",
+    "default_hp_metric",
     "disable_sigterm_broadcast",
     "exit_now",
     "flatten_hparams",
@@ -73,6 +85,7 @@ __all__ = [
     "is_object_storage",
     "is_strided_shard",
     "last_saved_step",
+    "log_metrics",
     "optimizer_states_numbered_by_their_groups",
     "pending_train_step_log",
     "restore_train_loaders",
@@ -87,6 +100,7 @@ __all__ = [
     "show_resumed_epoch",
     "start_the_epoch_after_a_last_batch_restart",
     "strategy_timeout",
+    "tensorboard_hparams",
     "strided_rows_survive_linear",
     "strided_shard",
     "tensorboard_file_writer",

@@ -10,16 +10,14 @@ on any version whether each bug is still there. Private names are imported where
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, cast
 
-from lightning.fabric.strategies import model_parallel as lightning_model_parallel
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_ddp.compat.imports import lightning_minor, private
 
@@ -44,6 +42,20 @@ def should_update_logs(trainer: Trainer) -> bool:
     """Whether the logger writes this step (``trainer.log_every_n_steps``, or the last step): Lightning's own
     decision, which callbacks that time or sync only logged steps must follow exactly."""
     return bool(trainer._logger_connector.should_update_logs)
+
+
+def log_metrics(trainer: Trainer, metrics: dict[str, Any], step: int | None = None) -> None:
+    """Logs ``metrics`` as Lightning's own callbacks do (its logger connector): to every logger, at ``step`` (None:
+    the global step), and into ``trainer.logged_metrics``. ``LightningModule.log`` cannot be called from a
+    callback's batch-end hook of another stage, and the loggers' own ``log_metrics`` skips ``logged_metrics``."""
+    trainer._logger_connector.log_metrics(metrics, step=step)
+
+
+def compute_dtype(trainer: Trainer) -> Any:
+    """The dtype the trainer's precision plugin computes matrix products in (bf16 under ``bf16-mixed``), as Lightning's
+    ThroughputMonitor picks its peak FLOP/s by; Lightning keeps the mapping private."""
+    plugin_dtype = private("lightning.pytorch.callbacks.throughput_monitor", "_plugin_to_compute_dtype")
+    return plugin_dtype(trainer.precision_plugin)
 
 
 def pending_train_step_log(trainer: Trainer) -> tuple[int, dict[str, float]] | None:
@@ -265,6 +277,14 @@ def last_saved_step(callback: ModelCheckpoint) -> int:
     return int(callback._last_global_step_saved)
 
 
+def checkpoint_state_key(callback: ModelCheckpoint, **triggers: Any) -> str:
+    """The key ``ModelCheckpoint`` files its state under in a checkpoint, built by Lightning's private
+    ``Callback._generate_state_key`` from ``callback``'s monitor, mode and the given ``triggers`` (keyword
+    ``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``), for a subclass whose base is configured
+    with other triggers than the ones it was given and whose checkpoints must resume under the same key."""
+    return str(callback._generate_state_key(monitor=callback.monitor, mode=callback.mode, **triggers))
+
+
 def save_last_checkpoint(callback: ModelCheckpoint, trainer: Trainer) -> None:
     """Writes ``callback``'s ``last.ckpt`` now, as its triggers do (ModelCheckpoint has no public call for it).
     Collective: every rank must call it."""
@@ -287,74 +307,6 @@ def is_object_storage(fs: Any) -> bool:
     return bool(private("lightning.fabric.utilities.cloud_io", "_is_object_storage")(fs))
 
 
-# ---- strategies
-
-
-def strategy_timeout(strategy: Any) -> timedelta | None:
-    """The timeout a strategy creates its process group with (Lightning keeps ``DDPStrategy(timeout=...)`` in
-    ``_timeout``, as FSDPStrategy and ModelParallelStrategy do, and has no getter); None for one without."""
-    timeout = getattr(strategy, "_timeout", None)
-    return timeout if isinstance(timeout, timedelta) else None
-
-
-def set_strategy_timeout(strategy: Any, timeout: timedelta) -> None:
-    """Makes the strategy create its process group with ``timeout`` (before ``setup_environment``); Lightning
-    takes one timeout, for the rendezvous and every collective alike."""
-    strategy._timeout = timeout
-
-
-def set_model_parallel_sizes(strategy: Any, data_parallel_size: int, tensor_parallel_size: int) -> None:
-    """Gives a ``ModelParallelStrategy`` its mesh sizes before ``setup_environment`` builds the mesh: its "auto"
-    data-parallel size is ``num_nodes`` (tensor parallel within a node), where FSDP2 alone wants every process,
-    and the world size is known only once the Trainer has set the devices (no public setter)."""
-    strategy._data_parallel_size = data_parallel_size
-    strategy._tensor_parallel_size = tensor_parallel_size
-
-
-def threads_like_rank_zero(num_processes: int) -> None:
-    """Gives this process the intra-op threads Lightning's launcher gave rank zero: ``OMP_NUM_THREADS``, else
-    this machine's CPUs over ``num_processes`` (Lightning's private ``_set_num_threads_if_needed``).
-
-    A Lightning bug, not reported upstream yet (no issue found, 2026-11-26): ``ModelParallelStrategy`` sets up its
-    launcher, which sets the threads, only in the process the user started (``_configure_launcher`` skips it where
-    the environment ``creates_processes_externally``), so rank zero computes with CPUs / processes threads and the
-    others with every CPU (``DDPStrategy`` configures its launcher in every process). The ranks' kernels then
-    reduce in different orders: under tensor parallelism the parameters every rank holds whole drift apart, and a
-    sharded checkpoint, which keeps one rank's copy, resumed off the uninterrupted run. Where the launcher set
-    ``OMP_NUM_THREADS`` (torchrun, ``slurm/*.sbatch``), or a fixed Lightning's launcher did, nothing changes.
-    Measured on Lightning 2.6.6."""
-    private("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed")(num_processes=num_processes)
-
-
-@contextmanager
-def optimizer_states_numbered_by_their_groups(model: Any, optimizers: list[Any]) -> Iterator[None]:
-    """While it lasts, ``ModelParallelStrategy`` reads a single-file checkpoint's numbered optimizer states (DDP's)
-    in the order of ``optimizers``' groups, as torch numbers them. A bug: Lightning's private
-    ``_rekey_optimizer_state_if_needed`` numbers ``model.parameters()`` (``FSDP.rekey_optim_state_dict``,
-    pytorch#113673): groups in another order (decay / no-decay, Muon + AdamW) get other parameters' state.
-    Measured on Lightning 2.6.6; Lightning's own function stays on another minor
-    (:data:`LIGHTNING_REKEYS_BY_MODEL_ORDER`)."""
-    if not LIGHTNING_REKEYS_BY_MODEL_ORDER:
-        yield
-        return
-    names = {param: name for name, param in model.named_parameters()}
-    pending, original = list(optimizers), lightning_model_parallel._rekey_optimizer_state_if_needed
-
-    def rekey(optimizer_state_dict: dict[str, Any], module: Any) -> dict[str, Any]:
-        order = [names[p] for group in pending.pop(0).param_groups for p in group["params"]]
-        state, groups = optimizer_state_dict["state"], optimizer_state_dict["param_groups"]
-        if not all(isinstance(i, int) for i in state):
-            return optimizer_state_dict  # named already (FSDP2's own single-file checkpoints)
-        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in groups]
-        return {"state": {order[i]: s for i, s in state.items()}, "param_groups": groups}
-
-    lightning_model_parallel._rekey_optimizer_state_if_needed = rekey
-    try:
-        yield
-    finally:
-        lightning_model_parallel._rekey_optimizer_state_if_needed = original
-
-
 # ---- loggers
 
 
@@ -362,3 +314,14 @@ def flatten_hparams(params: Any) -> dict[str, Any]:
     """Hyperparameters flattened as Lightning's loggers do it (``_convert_params`` + ``_flatten_dict``)."""
     logger = "lightning.fabric.utilities.logger"
     return private(logger, "_flatten_dict")(private(logger, "_convert_params")(params))
+
+
+def tensorboard_hparams(logger: TensorBoardLogger, params: Any) -> dict[str, Any]:
+    """``params`` flattened and sanitized (non-scalars as strings) as ``TensorBoardLogger.log_hyperparams`` writes
+    them (:func:`flatten_hparams`, then the logger's ``_sanitize_params``)."""
+    return dict(logger._sanitize_params(flatten_hparams(params)))
+
+
+def default_hp_metric(logger: TensorBoardLogger) -> bool:
+    """The logger's ``default_hp_metric`` argument (kept private by ``TensorBoardLogger``)."""
+    return bool(logger._default_hp_metric)

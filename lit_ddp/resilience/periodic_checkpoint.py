@@ -17,16 +17,16 @@ from lit_ddp.resilience.deferred import DeferredFlag
 class PeriodicCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint``, with ``every_n_train_steps`` and ``train_time_interval`` allowed together.
 
-    ``ModelCheckpoint.on_train_batch_end`` already saves when either trigger fires; only its constructor
-    rejects the combination. With both set, a checkpoint is written at every N-th optimizer step and whenever
-    T has passed since the last save. The time decision is rank zero's; ``ModelCheckpoint`` broadcasts it
-    every step (a blocking object broadcast), here it travels in a non-blocking tensor broadcast started
-    after each step and read after the next, so a step never waits for it (a due save happens one step
-    later, on every rank alike). No trigger saves inside a gradient-accumulation window, whose partial gradients
-    no checkpoint holds; it fires at the window's end. Everything
-    else (``save_last``, ``save_top_k``, ``monitor``, file names) is ``ModelCheckpoint``'s. To keep the
-    newest K step checkpoints: ``monitor="step", mode="max", save_top_k=K``. With ``save_last``, a run that ends
-    (``max_steps`` / ``max_epochs``) between two triggers also saves its last step as ``last.ckpt``.
+    This class decides when a step save is due and then calls ``ModelCheckpoint``'s step hook, whose own trigger
+    is "every step"; what it writes, where, and which files it keeps (``save_last``, ``save_top_k``, ``monitor``,
+    file names) stay ``ModelCheckpoint``'s. With both set, a checkpoint is written at every N-th optimizer step and
+    whenever T has passed since the last save. The time decision is rank zero's; ``ModelCheckpoint`` broadcasts it
+    every step (a blocking object broadcast), here it travels in a non-blocking tensor broadcast started after each
+    step and read after the next, so a step never waits for it (a due save happens one step later, on every rank
+    alike). No trigger saves inside a gradient-accumulation window, whose partial gradients no checkpoint holds; it
+    fires at the window's end. To keep the newest K step checkpoints: ``monitor="step", mode="max",
+    save_top_k=K``. With ``save_last``, a run that ends (``max_steps`` / ``max_epochs``) between two triggers also
+    saves its last step as ``last.ckpt``.
 
     A trigger that falls on a step after which Lightning validates or ends the epoch saves at the next step
     instead (``step=N+1`` in the name): a resume from a checkpoint written before that validation skips it
@@ -39,6 +39,9 @@ class PeriodicCheckpoint(ModelCheckpoint):
         train_time_interval: save when this much time has passed since the last save (``None``: never by time).
         *args: positional arguments of ``ModelCheckpoint``.
         **kwargs: other keyword arguments of ``ModelCheckpoint``.
+
+    Raises:
+        ValueError: ``every_n_train_steps < 0``, or ``every_n_epochs`` given with a step or time trigger.
     """
 
     def __init__(
@@ -48,34 +51,41 @@ class PeriodicCheckpoint(ModelCheckpoint):
         train_time_interval: timedelta | None = None,
         **kwargs: Any,
     ) -> None:
-        both = bool(every_n_train_steps) and train_time_interval is not None
-        kwargs.update(
-            every_n_train_steps=every_n_train_steps, train_time_interval=None if both else train_time_interval
-        )
+        if every_n_train_steps is not None and every_n_train_steps < 0:
+            raise ValueError(f"every_n_train_steps={every_n_train_steps} must be >= 0 (0 or null: never by steps)")
+        self.every_n_train_steps = every_n_train_steps or 0
+        self.train_time_interval = train_time_interval
+        ours = bool(every_n_train_steps) or train_time_interval is not None
+        if ours and kwargs.get("every_n_epochs"):
+            raise ValueError(
+                f"every_n_epochs={kwargs['every_n_epochs']} with every_n_train_steps={every_n_train_steps} or "
+                f"train_time_interval={train_time_interval}: give epochs alone, or steps and/or a time interval"
+            )
+        if ours:  # ModelCheckpoint saves whenever this class calls its step hook (see on_train_batch_end)
+            kwargs.update(every_n_train_steps=1, train_time_interval=None)
         super().__init__(*args, **kwargs)
-        self._train_time_interval = train_time_interval
-        self._configured_interval = train_time_interval  # for state_key, which must not follow the swap below
+        self.last_save_time: float | None = None  # time.monotonic() of this run's start or latest save
         self._state_key: str | None = None
         self._time_due = DeferredFlag("broadcast")  # rank zero's "the time interval has passed"
         self._due_after_boundary = False  # a trigger fell on a step that validation or an epoch's end followed
 
     @property
     def state_key(self) -> str:
-        """The key of this callback's state in a checkpoint, from the configured triggers.
-
-        ``on_train_batch_end`` swaps ``_train_time_interval`` while ``ModelCheckpoint`` saves; ``ModelCheckpoint``'s
-        key reads it, so a step checkpoint would file the state (``best_k_models``, ``last_model_path``) under
-        another key than the one a resume looks up, and the resumed run would forget its top-k files and write
-        ``last-v1.ckpt`` beside ``last.ckpt``. Outside that window the two keys are the same."""
+        """The key of this callback's state in a checkpoint: ``ModelCheckpoint``'s, from the triggers as given (its
+        base is configured to save at every step it is asked to, which would give another key than earlier
+        checkpoints', and a resume would forget their top-k files and write ``last-v1.ckpt`` beside ``last.ckpt``)."""
         if self._state_key is None:  # Lightning reads it at every hook call (profiler names): built once
-            self._state_key = self._generate_state_key(
-                monitor=self.monitor,
-                mode=self.mode,
-                every_n_train_steps=self._every_n_train_steps,
-                every_n_epochs=self._every_n_epochs,
-                train_time_interval=self._configured_interval,
+            self._state_key = compat.checkpoint_state_key(
+                self,
+                every_n_train_steps=self.every_n_train_steps,
+                every_n_epochs=self.every_n_epochs,
+                train_time_interval=self.train_time_interval,
             )
         return self._state_key
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.last_save_time = time.monotonic()  # the time trigger counts from the start
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -110,44 +120,28 @@ class PeriodicCheckpoint(ModelCheckpoint):
     ) -> None:
         if compat.should_accumulate(trainer):
             return  # inside a gradient-accumulation window: a save would lose the partial gradients (every rank alike)
-        interval = self._train_time_interval
-        if interval is None or not pl_module.automatic_optimization:
-            return self._save_unless_at_a_boundary(trainer, pl_module, outputs, batch, batch_idx, time_due=False)
-        due = self._time_due_last_step()
-        self._start_time_broadcast(trainer, interval)
-        # ModelCheckpoint's own logic, with its time trigger fired (zero interval) only on the agreed steps.
-        self._train_time_interval = None
-        try:
-            self._save_unless_at_a_boundary(trainer, pl_module, outputs, batch, batch_idx, time_due=due)
-        finally:
-            self._train_time_interval = interval
-
-    def _save_unless_at_a_boundary(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, time_due: bool
-    ) -> None:
-        """ModelCheckpoint's step save, moved to the next step when validation or the epoch's end follows this one
-        (see the class docstring); every rank decides alike."""
-        steps = self._every_n_train_steps
+        interval = self.train_time_interval
+        time_due = False
+        if interval is not None and pl_module.automatic_optimization:
+            time_due = self._time_due_last_step()
+            self._start_time_broadcast(trainer, interval)
+        steps = self.every_n_train_steps
         due = time_due or self._due_after_boundary or (steps >= 1 and trainer.global_step % steps == 0)
         if not due:
             return
         if compat.validation_due(trainer) or batch_idx + 1 >= trainer.num_training_batches:
-            self._due_after_boundary = True
+            self._due_after_boundary = True  # see the class docstring; every rank decides alike
             return
         self._due_after_boundary = False
-        self._every_n_train_steps, self._train_time_interval = 1, None  # fire at this step
-        try:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        finally:
-            self._every_n_train_steps = steps
-        self._last_time_checked = time.monotonic()  # the time trigger counts from the last save
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # saves: its trigger is every step
+        self.last_save_time = time.monotonic()  # the time trigger counts from the last save
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._time_due_last_step()  # every rank ends at the same step: nothing left in flight
         super().on_train_end(trainer, pl_module)
 
     def _start_time_broadcast(self, trainer: Trainer, interval: timedelta) -> None:
-        last = self._last_time_checked
+        last = self.last_save_time
         due = last is not None and time.monotonic() - last >= interval.total_seconds()  # rank zero's counts
         self._time_due.start(int(due), trainer.strategy.root_device, trainer.world_size)
 

@@ -50,7 +50,7 @@ def test_a_checkpoint_trigger_given_alone_is_the_only_one(
     config = ["--config", str(REPO / "configs/mingpt/cpu.yaml"), "--trainer.devices", "1"]
     trainer = trainer_of(*config, *args, "--trainer.default_root_dir", str(tmp_path))
     ckpt = trainer.checkpoint_callback
-    assert (ckpt._every_n_train_steps, ckpt._every_n_epochs) == (steps, epochs)
+    assert (ckpt.every_n_train_steps, ckpt.every_n_epochs) == (steps, epochs)
 
 
 def test_fit_holds_the_run_directory(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_ddp.data.regression import RegressionDataModule
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
@@ -197,3 +198,32 @@ def test_a_run_says_where_it_resumed_saves_its_end_and_knows_when_it_finished(
     assert resumed is not None and straight is not None
     for a, b in zip(resumed.model.parameters(), straight.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "triggers",
+    [
+        {},
+        {"every_n_train_steps": 50},
+        {"train_time_interval": timedelta(minutes=30)},
+        {"every_n_epochs": 2},
+    ],
+)
+def test_state_key_is_model_checkpoint_s_for_the_same_triggers(triggers: dict) -> None:
+    """Checkpoints written with a trigger alone (filed under the key ModelCheckpoint computes for a subclass of this
+    name) resume under the same key: their top-k files and ``last.ckpt`` are known again."""
+    options = {"monitor": "val/loss", "mode": "min", **triggers}
+    plain = type("PeriodicCheckpoint", (ModelCheckpoint,), {})  # the key's class name is the qualname
+    assert PeriodicCheckpoint(**options).state_key == plain(**options).state_key
+
+
+def test_steps_and_time_keep_their_key() -> None:
+    """Both triggers (which ModelCheckpoint refuses together): the key this class has always written."""
+    ckpt = PeriodicCheckpoint(every_n_train_steps=50, train_time_interval=timedelta(minutes=30), monitor="step")
+    want = "PeriodicCheckpoint{'monitor': 'step', 'mode': 'min', 'every_n_train_steps': 50, 'every_n_epochs': 0, "
+    assert ckpt.state_key == want + "'train_time_interval': datetime.timedelta(seconds=1800)}"
+
+
+def test_epochs_with_a_step_or_time_trigger_refused() -> None:
+    with pytest.raises(ValueError, match="every_n_epochs=2 with every_n_train_steps=50"):
+        PeriodicCheckpoint(every_n_train_steps=50, every_n_epochs=2)

@@ -1,0 +1,99 @@
+"""Lightning's private internals of its strategies: their timeouts and mesh sizes, the threads and optimizer states
+they set up, and how ``DDPStrategy`` wraps the model (see :mod:`lit_ddp.compat.lightning` for the conventions)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.strategies import model_parallel as lightning_model_parallel
+from lightning.pytorch.strategies import DDPStrategy
+
+from lit_ddp.compat.imports import private
+from lit_ddp.compat.lightning import LIGHTNING_REKEYS_BY_MODEL_ORDER
+
+
+def strategy_timeout(strategy: Any) -> timedelta | None:
+    """The timeout a strategy creates its process group with (Lightning keeps ``DDPStrategy(timeout=...)`` in
+    ``_timeout``, as FSDPStrategy and ModelParallelStrategy do, and has no getter); None for one without."""
+    timeout = getattr(strategy, "_timeout", None)
+    return timeout if isinstance(timeout, timedelta) else None
+
+
+def set_strategy_timeout(strategy: Any, timeout: timedelta) -> None:
+    """Makes the strategy create its process group with ``timeout`` (before ``setup_environment``); Lightning
+    takes one timeout, for the rendezvous and every collective alike."""
+    strategy._timeout = timeout
+
+
+def set_model_parallel_sizes(strategy: Any, data_parallel_size: int, tensor_parallel_size: int) -> None:
+    """Gives a ``ModelParallelStrategy`` its mesh sizes before ``setup_environment`` builds the mesh: its "auto"
+    data-parallel size is ``num_nodes`` (tensor parallel within a node), where FSDP2 alone wants every process,
+    and the world size is known only once the Trainer has set the devices (no public setter)."""
+    strategy._data_parallel_size = data_parallel_size
+    strategy._tensor_parallel_size = tensor_parallel_size
+
+
+def threads_like_rank_zero(num_processes: int) -> None:
+    """Gives this process the intra-op threads Lightning's launcher gave rank zero: ``OMP_NUM_THREADS``, else
+    this machine's CPUs over ``num_processes`` (Lightning's private ``_set_num_threads_if_needed``).
+
+    A Lightning bug, not reported upstream yet (no issue found, 2026-11-26): ``ModelParallelStrategy`` sets up its
+    launcher, which sets the threads, only in the process the user started (``_configure_launcher`` skips it where
+    the environment ``creates_processes_externally``), so rank zero computes with CPUs / processes threads and the
+    others with every CPU (``DDPStrategy`` configures its launcher in every process). The ranks' kernels then
+    reduce in different orders: under tensor parallelism the parameters every rank holds whole drift apart, and a
+    sharded checkpoint, which keeps one rank's copy, resumed off the uninterrupted run. Where the launcher set
+    ``OMP_NUM_THREADS`` (torchrun, ``slurm/*.sbatch``), or a fixed Lightning's launcher did, nothing changes.
+    Measured on Lightning 2.6.6."""
+    private("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed")(num_processes=num_processes)
+
+
+@contextmanager
+def optimizer_states_numbered_by_their_groups(model: Any, optimizers: list[Any]) -> Iterator[None]:
+    """While it lasts, ``ModelParallelStrategy`` reads a single-file checkpoint's numbered optimizer states (DDP's)
+    in the order of ``optimizers``' groups, as torch numbers them. A bug: Lightning's private
+    ``_rekey_optimizer_state_if_needed`` numbers ``model.parameters()`` (``FSDP.rekey_optim_state_dict``,
+    pytorch#113673): groups in another order (decay / no-decay, Muon + AdamW) get other parameters' state.
+    Measured on Lightning 2.6.6; Lightning's own function stays on another minor
+    (:data:`LIGHTNING_REKEYS_BY_MODEL_ORDER`)."""
+    if not LIGHTNING_REKEYS_BY_MODEL_ORDER:
+        yield
+        return
+    names = {param: name for name, param in model.named_parameters()}
+    pending, original = list(optimizers), lightning_model_parallel._rekey_optimizer_state_if_needed
+
+    def rekey(optimizer_state_dict: dict[str, Any], module: Any) -> dict[str, Any]:
+        order = [names[p] for group in pending.pop(0).param_groups for p in group["params"]]
+        state, groups = optimizer_state_dict["state"], optimizer_state_dict["param_groups"]
+        if not all(isinstance(i, int) for i in state):
+            return optimizer_state_dict  # named already (FSDP2's own single-file checkpoints)
+        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in groups]
+        return {"state": {order[i]: s for i, s in state.items()}, "param_groups": groups}
+
+    lightning_model_parallel._rekey_optimizer_state_if_needed = rekey
+    try:
+        yield
+    finally:
+        lightning_model_parallel._rekey_optimizer_state_if_needed = original
+
+
+class DDPOnTheTrainingStream(DDPStrategy):
+    """Lightning's ``DDPStrategy`` that builds ``DistributedDataParallel`` on the current CUDA stream, the one every
+    forward and backward then runs on (its private ``_setup_model``).
+
+    Lightning (up to 2.6.6 at least) builds it under a new side stream (for whole-network CUDA graph capture,
+    which nothing here does). DDP's reducer keeps the parameters' AccumulateGrad nodes it creates then, each
+    bound to that side stream, while the gradients arrive from the default stream: torch >= 2.10 warns at the
+    first backward ("The AccumulateGrad node's stream does not match the stream of the node that produced the
+    incoming gradient", asking for DDP to be built "under the same stream as subsequent forwards"), and each
+    backward may wait on the side stream. Lightning-AI/pytorch-lightning#21567, fixed by #21746 (after 2.6.6).
+    On CPU (``device_ids`` None) Lightning opens no stream, and this builds what it builds.
+    """
+
+    def _setup_model(self, model: Any) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
