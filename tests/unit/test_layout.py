@@ -4,8 +4,11 @@ internals only in compat, the length of the minGPT reading path."""
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -270,3 +273,52 @@ def test_the_run_directory_layout_is_spelled_in_one_module(path: Path) -> None:
         return
     spelled = [f"{path.name}:{line} {value!r}" for line, value in code_strings(path) if LAYOUT_STRINGS.search(value)]
     assert spelled == []
+
+
+def self_privates(cls: type) -> set[str]:
+    """``_names`` (dunders aside) that ``cls``'s own source reads or writes on ``self``/``cls``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # a builtin or generated class: what it defines is all there is
+        return set()
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in ("self", "cls")
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    }
+
+
+def inherited_privates(cls: type) -> list[str]:
+    """The ``self._x`` of ``cls``'s own source, and the ``_x`` methods it overrides, that a base from another
+    library defines or uses: that base's private state and methods, which only compat may touch."""
+    foreign = [b for b in cls.__mro__[1:] if not b.__module__.startswith("lit_ddp") and b is not object]
+    theirs = set().union(*(set(vars(b)) | self_privates(b) for b in foreign)) if foreign else set()
+    own = {n for n in vars(cls) if n.startswith("_") and not n.startswith("__") and n != "_abc_impl"}  # abc's
+    return sorted(f"{cls.__qualname__}.{name}" for name in (self_privates(cls) | own) & theirs)
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p.parent != PACKAGE / "compat"], ids=lambda p: str(p.relative_to(REPO))
+)
+def test_no_inherited_private_state_outside_compat(path: Path) -> None:
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    module = importlib.import_module(name)
+    classes = [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == name]
+    assert [found for cls in classes for found in inherited_privates(cls)] == []
+
+
+def test_inherited_privates_finds_a_base_s_private_state() -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Swapping(ModelCheckpoint):
+        def swap(self) -> None:
+            self._every_n_train_steps, self._own = 1, 2
+
+        def _save_last_checkpoint(self, *args: object) -> None: ...
+
+    name = Swapping.__qualname__
+    assert inherited_privates(Swapping) == [f"{name}._every_n_train_steps", f"{name}._save_last_checkpoint"]
