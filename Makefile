@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu clean
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ bench-speed: venv
 # Seconds from a killed or hung worker to the first optimizer step after torchrun's restart (about 2 minutes).
 bench-recovery: venv
 	$(BIN)/python -m bench.recovery $(BENCH_ARGS)
+
+# What trainer.deterministic (configs/checkpoint/exact.yaml) costs lit-ddp fit on 2 CPU processes: tokens/s with
+# and without it, fits launched in alternation (about 5 minutes; the GPU figure: bench/deterministic_cost.py).
+bench-deterministic: venv
+	$(BIN)/python -m bench.deterministic_ddp --rounds 4 $(BENCH_ARGS)
 
 # FSDP2 against DDP: bytes per rank (tutorial-size GPT, 1 and 2 processes) and step time side by side (~10 min).
 bench-fsdp: venv

@@ -1,8 +1,8 @@
 """What deterministic kernels cost the tutorial model's training step (issue 42): tokens/s with and without
 ``torch.use_deterministic_algorithms``, timed in alternation in one process.
 
-``configs/checkpoint/fault_tolerant.yaml`` sets ``trainer.deterministic: true`` so that a resumed run is bit-identical
-to an uninterrupted one; Lightning then calls ``torch.use_deterministic_algorithms(True)``, sets
+``configs/checkpoint/exact.yaml`` sets ``trainer.deterministic: true`` so that a resumed run is bit-identical to an
+uninterrupted one; Lightning then calls ``torch.use_deterministic_algorithms(True)``, sets
 ``torch.backends.cudnn.benchmark = False`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS's reproducible
 workspace). This script sets the same three: the workspace variable before torch starts, for both modes (so that
 only the algorithm choice differs), and the other two per mode. The step is the tutorial config's

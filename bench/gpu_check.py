@@ -93,6 +93,7 @@ SPEED_PARTS = ("main", "reference")  # make bench-gpu-speed
 WHEEL_MODULES = ("jsonargparse", "docstring_parser", "typeshed_client", "torchdata")
 DDP, FSDP, GPU = "configs/trainer/ddp.yaml", "configs/trainer/fsdp.yaml", "configs/trainer/gpu.yaml"
 TUTORIAL, FAULT_TOLERANT = "configs/mingpt/tutorial.yaml", "configs/checkpoint/fault_tolerant.yaml"
+EXACT = "configs/checkpoint/exact.yaml"  # deterministic kernels: chaos compares bit for bit
 # The dry run's fit arguments: a tiny model on the CPU (num_workers 0: loader processes cost seconds there)
 DRY_TUTORIAL = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.devices", "1",
                 "--model.init_args.model_type", "gpt-nano", "--data.init_args.batch_size", "8",
@@ -545,7 +546,8 @@ def part_chaos(ctx: Context, box: float, strategy: str, kind: str, name: str) ->
     steps, every = (24, 6) if ctx.dry else (100, 20)
     cmd = [ctx.python, "-m", "lit_ddp", "chaos", "--launcher", "single", "--faults", "1", "--kinds", kind,
            "--seed", "1", "--root", str(root), "--timeout", str(int(box)), "--", "--config", strategy,
-           "--config", TUTORIAL, "--config", FAULT_TOLERANT, "--config", GPU, "--trainer.devices", "1", "--trainer.max_steps", str(steps),
+           "--config", TUTORIAL, "--config", FAULT_TOLERANT, "--config", EXACT, "--config", GPU, "--trainer.devices", "1",
+           "--trainer.max_steps", str(steps),
            "--checkpoint.every_n_train_steps", str(every), *(DRY_TUTORIAL if ctx.dry else [])]  # fmt: skip
     rc = run_command(ctx, name, cmd, box)
     log = log_text(ctx, name)

@@ -51,6 +51,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from lit_ddp.chaos.compare import compare
 from lit_ddp.chaos.job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
 from lit_ddp.errors import UsageError
@@ -324,4 +326,19 @@ def chaos_main(argv: list[str]) -> int:
         print(f"identical: the faulted run ends {how} where the uninterrupted one does ({len(faults)} faults)")
         return 0
     print(f"DIFFERENT: first at {difference}")
+    if not args.rtol and not deterministic(reference):
+        print(
+            "the runs chose their kernels (trainer.deterministic is not true): on GPUs two uninterrupted runs differ "
+            "as well; add --config configs/checkpoint/exact.yaml for a bit-for-bit comparison"
+        )
     return 1
+
+
+def deterministic(run: Path) -> bool:
+    """Whether the run at ``run`` trained with ``trainer.deterministic: true`` (its ``config.yaml``, which
+    LightningCLI writes); False where that file is missing or unreadable."""
+    try:
+        config = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return (config.get("trainer") or {}).get("deterministic") is True

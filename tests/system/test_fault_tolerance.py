@@ -17,9 +17,11 @@ from lit_ddp.chaos.job import PHASE_PROBE
 from tests.helpers import QUIET, Runner, compose, lit_ddp, tensorboard_steps
 
 # The README's fault-tolerant compositions: DDP, the step's config, the checkpointing fragment (and for minGPT
-# its fault-tolerant fragment over cpu.yaml).
-REGRESSION_FT = ("trainer/ddp", "checkpoint/fault_tolerant", "regression/fault_tolerant")
-MINGPT_FT = ("trainer/ddp", "mingpt/cpu", "checkpoint/fault_tolerant", "mingpt/fault_tolerant")
+# its fault-tolerant fragment over cpu.yaml), with deterministic kernels (checkpoint/exact: the bit-for-bit
+# proof's mode on any device; on CPUs the kernels are deterministic either way: test_checkpoint_triggers.py's
+# regression runs compare bit for bit without it).
+REGRESSION_FT = ("trainer/ddp", "checkpoint/fault_tolerant", "checkpoint/exact", "regression/fault_tolerant")
+MINGPT_FT = ("trainer/ddp", "mingpt/cpu", "checkpoint/fault_tolerant", "checkpoint/exact", "mingpt/fault_tolerant")
 
 
 def regression_args(steps: int, every: int) -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from lit_ddp.chaos.cli import checkpoint_interval, plan, print_faults, run_faulted
+from lit_ddp.chaos.cli import checkpoint_interval, deterministic, plan, print_faults, run_faulted
 from lit_ddp.chaos.compare import compare_scalars, first_difference
 from lit_ddp.chaos.job import Fault
 from lit_ddp.cli import cli_main
@@ -201,3 +201,12 @@ def test_the_writer_of_a_checkpoint_is_found_under_a_relative_run_directory(tmp_
         assert writer_of_temporary_checkpoint(root, [os.getpid()], time.monotonic() + 0.2) is None
     with open(root / "checkpoints" / ".epoch=0-step=5.ckpt.ab12.tmp", "w"):
         assert writer_of_temporary_checkpoint(root, [os.getpid()], time.monotonic() + 5) == os.getpid()
+
+
+def test_deterministic_reads_the_run_s_saved_config(tmp_path: Path) -> None:
+    """A DIFFERENT verdict on a run with the kernels its device chose points to configs/checkpoint/exact.yaml."""
+    assert not deterministic(tmp_path)  # no config.yaml
+    (tmp_path / "config.yaml").write_text("trainer:\n  deterministic: false\n")
+    assert not deterministic(tmp_path)
+    (tmp_path / "config.yaml").write_text("trainer:\n  deterministic: true\n")
+    assert deterministic(tmp_path)
