@@ -30,6 +30,11 @@ class NoValidCheckpointError(LitDDPError):
     """Checkpoints exist in the run directory but none of them can be read."""
 
 
+class RestoreMismatchError(LitDDPError):
+    """A resumed fit restored a state other than the one its checkpoint's digests record
+    (:mod:`lit_ddp.resilience.restore_check`); it stops before its first step."""
+
+
 class NonFiniteLossError(LitDDPError):
     """The training loss (or a parameter about to be checkpointed) became NaN or infinite."""
 

@@ -192,9 +192,17 @@ class MarkTrainStart(Callback):
 
 class NudgeOnResume(Callback):
     """Breaks exactness on purpose, for ``lit-ddp chaos`` to catch: a fit that resumes from a checkpoint adds
-    1e-3 to its first parameter (what a lost RNG or loader state does, made plain)."""
+    1e-3 to its first parameter after its first step (what a lost RNG or loader state does, made plain). Before the
+    first step, the restore check would stop the run instead (``tests/unit/resilience/test_restore_check.py``)."""
+
+    def __init__(self) -> None:
+        self.pending = False
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.ckpt_path:
+        self.pending = bool(trainer.ckpt_path)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: object) -> None:
+        if self.pending:
+            self.pending = False
             with torch.no_grad():
                 next(pl_module.parameters()).add_(1e-3)

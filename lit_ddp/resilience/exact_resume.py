@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp import compat
+from lit_ddp.resilience import restore_check
 from lit_ddp.resilience.resume_report import (
     reached_its_end,
     say_where_the_run_resumed,
@@ -83,6 +84,7 @@ class ExactResume(Callback):
     def __init__(self, purge_tensorboard: bool = True) -> None:
         self.purge_tensorboard = purge_tensorboard
         self._rng_states: dict[str, Any] | None = None
+        self._promised: dict[str, Any] | None = None  # the restore check's: this rank's state in the checkpoint
         self._metric_states: dict[str, dict[str, Any]] | None = None
         self._loader_states: list[dict[str, Any]] | None = None
         self._saved_global_batch: int | None = None
@@ -142,6 +144,10 @@ class ExactResume(Callback):
             )
         mine = per_rank[trainer.global_rank % len(per_rank)]
         self._rng_states = mine["rng"]
+        # What the restore check compares before the first step; another world size reshards the state by design.
+        if len(per_rank) == trainer.world_size:
+            plain = restore_check.plain_tensors(pl_module)
+            self._promised = restore_check.promised(checkpoint, mine["rng"], tensors=plain)
         # Another world size: another rank's running sums would count its batches twice (or never).
         self._metric_states = mine.get("metrics") if len(per_rank) == trainer.world_size else None
         fit_state = checkpoint.get("loops", {}).get("fit_loop")
@@ -209,6 +215,11 @@ class ExactResume(Callback):
             restore_rng_states(self._rng_states, trainer.strategy.root_device, trainer.local_rank)
             self._rng_states = None
         compat.undo_epoch_end_recount(trainer)
+        if self._promised is not None:  # everything is restored: the restore check, before the first step
+            rng, plain = collect_rng_states(trainer.strategy.root_device), restore_check.plain_tensors(pl_module)
+            live = restore_check.restored(trainer, pl_module, rng, tensors=plain)
+            promised, self._promised = self._promised, None  # the checkpoint's tensors are let go either way
+            restore_check.check(promised, live, str(trainer.ckpt_path))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._log_step_after_epoch_end is not None:

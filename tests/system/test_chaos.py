@@ -21,7 +21,7 @@ from tests.helpers import Runner, callback, compose, lit_ddp, noise_lines, write
 
 # 80 epochs of 28 steps on 2 processes (about 20 s here), a checkpoint every 50 steps.
 REGRESSION = [
-    *compose("trainer/ddp", "checkpoint/fault_tolerant", "regression/fault_tolerant"),
+    *compose("trainer/ddp", "checkpoint/fault_tolerant", "checkpoint/exact", "regression/fault_tolerant"),
     "--trainer.max_epochs",
     "80",
 ]
@@ -155,8 +155,9 @@ def test_chaos_under_slurm_survives_preemptions_on_an_unkind_cluster(tmp_path: P
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_chaos_catches_a_run_that_does_not_resume_exactly(tmp_path: Path, runner: Runner, seed: int) -> None:
-    """One process, a callback (by class path, as a user's would be) that changes a weight when the fit resumes:
-    one kill of the process as it writes a checkpoint, and the tool exits 1 naming the first differing tensor."""
+    """One process, a callback (by class path, as a user's would be) that changes a weight after a resumed fit's
+    first step (past the restore check): one kill of the process as it writes a checkpoint, and the tool exits 1
+    naming the first differing tensor."""
     nudge = write_callbacks_config(tmp_path / "nudge.yaml", callback(NudgeOnResume))
     fit = [*compose("regression/single_device", "checkpoint/fault_tolerant"), "--config", str(nudge)]
     fit += ["--trainer.max_epochs", "80", "--trainer.devices", "1"]

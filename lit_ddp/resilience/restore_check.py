@@ -1,0 +1,116 @@
+"""The restore check: a resumed fit compares the state it restored with the one its checkpoint holds, before its
+first step (:class:`lit_ddp.resilience.exact_resume.ExactResume` calls it at the end of its ``on_train_start``,
+after every callback's). A loading bug, a callback that edits the weights on resume: the run stops with one line
+naming the first entry that differs, instead of training on from a state nobody saved.
+
+Compared, on a resume with the world size that wrote the checkpoint, on every rank: the global step, each LR
+scheduler's state, this rank's RNG streams as ExactResume saved them (torch, CUDA, numpy, Python), and, where the
+checkpoint holds them as plain tensors (DDP, one device; not FSDP2's or tensor parallelism's ``DTensor`` shards,
+which torch's distributed checkpoint loads in place), every tensor of the module's ``state_dict()`` and each
+optimizer's state and param groups. Tensors bit for bit (``torch.equal``), other values by ``==``. The loaders'
+positions are not compared (torchdata restores them; ExactResume rebuilds the iterator). On another world size
+nothing is compared: the state is resharded there by design.
+
+It reads the checkpoint Lightning has loaded anyway, so a save costs nothing more; a resume costs one pass over
+the state (``bench/restore_check_cost.py``). Our own code: no library checks a restore.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from torch.distributed.tensor import DTensor
+
+from lit_ddp.errors import RestoreMismatchError
+
+
+def promised(checkpoint: dict[str, Any], rng: dict[str, Any], tensors: bool) -> dict[str, Any]:
+    """What the checkpoint says a resume restores, as named leaves (``global_step``, ``scheduler0/last_epoch``,
+    ``rng/torch``, ``parameters/model.lm_head.weight``, ``optimizer0/state/3/exp_avg``...): its values, not copies.
+    ``rng``: this rank's RNG states from ExactResume's entry; ``tensors``: the module and optimizers too."""
+    leaves: dict[str, Any] = {}
+    if "global_step" in checkpoint:
+        leaves["global_step"] = checkpoint["global_step"]
+    if "lr_schedulers" in checkpoint:
+        _add(leaves, "scheduler", checkpoint["lr_schedulers"])
+    _add(leaves, "rng", rng)
+    if tensors and "state_dict" in checkpoint:
+        _add(leaves, "parameters", dict(checkpoint["state_dict"]))
+    if tensors and "optimizer_states" in checkpoint:
+        _add(leaves, "optimizer", checkpoint["optimizer_states"])
+    return leaves
+
+
+def restored(trainer: Trainer, pl_module: LightningModule, rng: dict[str, Any], tensors: bool) -> dict[str, Any]:
+    """The same leaves as :func:`promised`, read from the live trainer and module; ``rng``: this rank's states now."""
+    leaves: dict[str, Any] = {"global_step": trainer.global_step}
+    _add(leaves, "scheduler", [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs])
+    _add(leaves, "rng", rng)
+    if tensors:
+        _add(leaves, "parameters", pl_module.state_dict())
+        _add(leaves, "optimizer", [o.state_dict() for o in trainer.optimizers])
+    return leaves
+
+
+def plain_tensors(pl_module: LightningModule) -> bool:
+    """Whether the module's state is plain tensors (not FSDP2's or tensor parallelism's ``DTensor`` shards)."""
+    return not any(isinstance(v, DTensor) for v in pl_module.state_dict().values())
+
+
+def first_mismatch(promised: dict[str, Any], restored: dict[str, Any]) -> str | None:
+    """The first leaf of ``promised`` that ``restored`` lacks or holds with another value; None when all agree.
+    A module's entries the checkpoint has and the module lacks are strict loading's to refuse, not this."""
+    for name, want in promised.items():
+        if name not in restored:
+            if name.startswith("parameters/"):
+                continue
+            return name
+        got = restored[name]
+        if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+            same = (
+                isinstance(want, torch.Tensor)
+                and isinstance(got, torch.Tensor)
+                and want.dtype == got.dtype
+                and want.shape == got.shape
+                and torch.equal(want.to(got.device), got)
+            )
+        else:
+            same = bool(want == got)
+        if not same:
+            return name
+    return None
+
+
+def check(promised: dict[str, Any] | None, restored: dict[str, Any], path: str) -> None:
+    """Compares on every rank and raises on every rank alike (one ``all_gather_object``), so that no rank trains on
+    while another stops.
+
+    Raises:
+        RestoreMismatchError: some rank restored a state other than the one the checkpoint at ``path`` holds.
+    """
+    mine = None if promised is None else first_mismatch(promised, restored)
+    found: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+    for rank, name in enumerate(found):
+        if name is not None:
+            raise RestoreMismatchError(
+                f"the state restored from {path} differs from the one saved there, first at {name} (rank {rank}): "
+                "the load went wrong or something changed the state before the first step; nothing was trained"
+            )
+
+
+def _add(leaves: dict[str, Any], name: str, value: Any) -> None:
+    """``value``'s leaves under ``name/key/...`` (list items numbered); a list of plain values is one leaf."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _add(leaves, f"{name}/{key}", item)
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in value):
+        for i, item in enumerate(value):
+            _add(leaves, f"{name}{i}" if name in ("scheduler", "optimizer") else f"{name}/{i}", item)
+    else:
+        leaves[name] = value

@@ -1,0 +1,59 @@
+"""lit_ddp.resilience.restore_check: the first differing entry is named, and a resumed fit stops before its first
+step when what it restored is not what its checkpoint holds (a callback editing a weight on resume stands in for a
+loading bug)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_ddp.data.regression import RegressionDataModule
+from lit_ddp.errors import RestoreMismatchError
+from lit_ddp.resilience.exact_resume import ExactResume
+from lit_ddp.resilience.restore_check import first_mismatch
+from lit_ddp.tasks.regression import RegressionModule
+
+
+def test_first_mismatch_names_the_first_entry_saved_that_differs_or_is_missing() -> None:
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    saved = {"global_step": 6, "parameters/w": w, "rng/torch": torch.arange(3), "parameters/old": w}
+    assert first_mismatch(saved, {**saved, "parameters/w": w.clone()}) is None  # equal bits; a key the module lacks
+    assert first_mismatch(saved, {**saved, "parameters/w": w.T.contiguous(), "rng/torch": 0}) == "parameters/w"
+    assert first_mismatch(saved, {**saved, "parameters/w": w.double()}) == "parameters/w"  # same values, not bits
+    assert first_mismatch(saved, {"global_step": 6, "parameters/w": w}) == "rng/torch"
+    assert first_mismatch(saved, {**saved, "global_step": 7}) == "global_step"
+
+
+class NudgeOnResume(Callback):
+    """Adds 1e-3 to the first parameter when the fit resumes (before the restore check, which runs last)."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path:
+            with torch.no_grad():
+                next(pl_module.parameters()).add_(1e-3)
+
+
+def fit(root: Path, max_steps: int, *callbacks: Callback, ckpt_path: str | None = None) -> Trainer:
+    save = ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_last=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[*callbacks, ExactResume(), save],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(RegressionModule(), RegressionDataModule(num_samples=512), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_resume_that_restored_another_state_stops_before_its_first_step(tmp_path: Path) -> None:
+    fit(tmp_path, 6)
+    last = str(tmp_path / "last.ckpt")
+    assert fit(tmp_path / "ok", 9, ckpt_path=last).global_step == 9  # restored as saved: trains on
+
+    with pytest.raises(RestoreMismatchError, match=r"differs from the one saved there, first at parameters/") as e:
+        fit(tmp_path / "nudged", 9, NudgeOnResume(), ckpt_path=last)
+    assert last in str(e.value) and "nothing was trained" in str(e.value)
+    assert not list((tmp_path / "nudged").glob("*.ckpt"))  # no step, no save
