@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic clean
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic bench-restore clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,10 @@ bench-recovery: venv
 # and without it, fits launched in alternation (about 5 minutes; the GPU figure: bench/deterministic_cost.py).
 bench-deterministic: venv
 	$(BIN)/python -m bench.deterministic_ddp --rounds 4 $(BENCH_ARGS)
+
+# What the restore check costs a resume of the tutorial-size GPT, beside the save it guards (about a minute).
+bench-restore: venv
+	$(BIN)/python -m bench.restore_check_cost $(BENCH_ARGS)
 
 # FSDP2 against DDP: bytes per rank (tutorial-size GPT, 1 and 2 processes) and step time side by side (~10 min).
 bench-fsdp: venv

@@ -54,6 +54,8 @@ class ExactResume(Callback):
       ``estimated_stepping_batches`` trap;
     - then each rank's RNG states are set, after everything that draws from them while the loaders are
       built, so the next training step sees the same random numbers as in the uninterrupted run;
+    - then the restore check compares what was restored with the checkpoint, before the first step
+      (:mod:`lit_ddp.resilience.restore_check`);
     - with ``purge_tensorboard``, a TensorBoard "session start" event at the first step the resumed run logs
       (written at its first training batch) makes TensorBoard drop the points that the killed run logged after
       its checkpoint, so each step appears once and none is missing.
