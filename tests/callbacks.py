@@ -206,3 +206,37 @@ class NudgeOnResume(Callback):
             self.pending = False
             with torch.no_grad():
                 next(pl_module.parameters()).add_(1e-3)
+
+
+class GradientNoise(Callback):
+    """Makes CPU training nondeterministic, as a GPU's fast kernels do: before each optimizer step, adds
+    ``scale x |grad|.mean() x N(0, 1)`` to every gradient, from a generator seeded from the OS (printed, so that a
+    run can be replayed by hand with ``seed``), never from torch's global RNG (which the resume restores)."""
+
+    def __init__(self, scale: float = 1e-4, seed: int | None = None) -> None:
+        self.scale = scale
+        self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+        self.generator = torch.Generator().manual_seed(self.seed)
+        print(f"GradientNoise: seed {self.seed}", flush=True)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: object) -> None:
+        for p in pl_module.parameters():
+            if p.grad is not None:
+                noise = torch.randn(p.grad.shape, generator=self.generator).to(p.grad)
+                p.grad.add_(noise * p.grad.abs().mean() * self.scale)
+
+
+class ReseedOnResume(Callback):
+    """Breaks a resume after its restore check, as a forgotten RNG does: at the first batch of a resumed fit,
+    reseeds torch's global RNG (dropout masks then differ from the uninterrupted run's)."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.pending = bool(trainer.ckpt_path)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: object) -> None:
+        if self.pending:
+            self.pending = False
+            torch.manual_seed(0)

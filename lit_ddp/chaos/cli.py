@@ -2,8 +2,8 @@
 injected from outside, then compares the two final checkpoints bit for bit.
 
     lit-ddp chaos [--launcher single|torchrun|slurm] [--nproc_per_node N] [--nnodes N] [--faults K]
-                  [--kinds kill term hang node save validation usr1] [--seed S] [--root DIR] [--reference DIR] [--rtol R]
-                  -- <the arguments of lit-ddp fit>
+                  [--kinds kill term hang node save validation usr1] [--seed S] [--root DIR] [--reference DIR]
+                  [--rtol R | --calibrated K] -- <the arguments of lit-ddp fit>
 
 - ``single``: ``lit-ddp fit ARGS`` in one process; after each fault the tool runs the same command again, as
   a user or a Slurm requeue would. ``torchrun``: ``torchrun --standalone --nproc_per_node N --max-restarts K``
@@ -36,6 +36,10 @@ injected from outside, then compares the two final checkpoints bit for bit.
   per fault (kind, target, seconds into the run, the step it hit, the newest checkpoint's step before it, the
   step the job resumed from, the steps trained again, the seconds until the job had trained the fault's step
   again), the seconds the faults cost in all, then the verdict and the first differing entry.
+- ``--calibrated K``, for runs whose kernels are not deterministic (GPUs without
+  ``configs/checkpoint/exact.yaml``): a second uninterrupted run measures how far two runs drift apart, and the
+  faulted run must stay within K times that, in its training loss at every logged step and in its final parameters
+  (:mod:`lit_ddp.chaos.calibrated`); the report gives the spread and the distance after each resume.
 
 Exit status: 0 identical, 1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
 No library does this (torchft's injector checks convergence only), hence our code.
@@ -53,6 +57,7 @@ from pathlib import Path
 
 import yaml
 
+from lit_ddp.chaos.calibrated import verdict
 from lit_ddp.chaos.compare import compare
 from lit_ddp.chaos.job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
 from lit_ddp.errors import UsageError
@@ -106,6 +111,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--root", type=Path, default=None, help="run directories (default runs/chaos/<seed>)")
     parser.add_argument("--reference", type=Path, default=None, help="a finished uninterrupted run to reuse")
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (0: bit for bit)")
+    parser.add_argument(
+        "--calibrated", type=float, default=None, metavar="K",
+        help="runs with nondeterministic kernels: a second uninterrupted run measures the spread, the faulted run "
+        "must stay within K x it (K=3 is the usual choice)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each job may take")
     args = parser.parse_args(argv[:split])
     fit = argv[split + 1 :]
@@ -134,6 +144,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             raise UsageError("--launcher slurm: the fit arguments start with the step config, `-- --config CONFIG ...`")
     if args.rtol < 0:
         raise UsageError(f"--rtol {args.rtol}: give 0 (bit for bit) or a positive relative tolerance")
+    if args.calibrated is not None and (args.calibrated <= 0 or args.rtol):
+        raise UsageError(
+            f"--calibrated {args.calibrated}: give a factor > 0 (3: three times the spread of two uninterrupted runs), "
+            "without --rtol"
+        )
     if args.seed is None:
         args.seed = random.randrange(2**31)
     if args.root is None:
@@ -307,6 +322,11 @@ def chaos_main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return UsageError.exit_code
+    if args.calibrated is not None:  # the spread of two uninterrupted runs
+        second = Job(args, fit, args.root / "reference2", faulted=False)
+        if run_reference(second, args.timeout) is None:
+            print(f"lit-ddp chaos: the second uninterrupted run failed; its output: {second.log}", file=sys.stderr)
+            return 1
     job = Job(args, fit, args.root / "faulted", faulted=True)
     span = took[1] if took else 30.0  # a guess when the reference is given
     every = checkpoint_interval(reference)
@@ -320,6 +340,8 @@ def chaos_main(argv: list[str]) -> int:
     print_faults(faults, [int(step) for step in RESUMED.findall(job.output())])
     if took:
         print(f"the faults cost {seconds - took[0]:.1f} s ({seconds:.1f} s against {took[0]:.1f} s uninterrupted)")
+    if args.calibrated is not None:
+        return calibrated_report(args, reference, [int(step) for step in RESUMED.findall(job.output())])
     difference = compare(reference, args.root / "faulted", args.rtol)
     if difference is None:
         how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"
@@ -331,6 +353,17 @@ def chaos_main(argv: list[str]) -> int:
             "the runs chose their kernels (trainer.deterministic is not true): on GPUs two uninterrupted runs differ "
             "as well; add --config configs/checkpoint/exact.yaml for a bit-for-bit comparison"
         )
+    return 1
+
+
+def calibrated_report(args: argparse.Namespace, reference: Path, resumed: list[int]) -> int:
+    """The ``--calibrated`` verdict and its lines (:func:`lit_ddp.chaos.calibrated.verdict`); the exit status."""
+    failure, lines = verdict(reference, args.root / "reference2", args.root / "faulted", args.calibrated, resumed)
+    print("\n".join(lines))
+    if failure is None:
+        print(f"within {args.calibrated:g} x the spread of two uninterrupted runs: the resume is as good as a rerun")
+        return 0
+    print(f"DIFFERENT: first at {failure}")
     return 1
 
 

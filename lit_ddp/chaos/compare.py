@@ -41,21 +41,24 @@ def first_difference(a: Any, b: Any, where: str = "", rtol: float = 0.0) -> str 
     return None if a == b else where
 
 
-def compare_scalars(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
-    """The first TensorBoard scalar (tag and step) where the runs differ: the last value logged at each step
-    (a resumed run logs the steps it redoes again), timing scalars left out; None when they agree."""
+def scalar_points(run: Path) -> dict[str, dict[int, float]]:
+    """The run's TensorBoard scalars, timing scalars left out: ``{tag: {step: value}}``, the last value logged at
+    each step (a resumed run logs the steps it redoes again)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    def scalars(run: Path) -> dict[str, dict[int, float]]:
-        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
-        acc.Reload()
-        found: dict[str, dict[int, float]] = {}
-        for tag in acc.Tags().get("scalars", []):
-            if not any(t in tag for t in TIMING_SCALARS):
-                found[tag] = {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}
-        return found
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    found: dict[str, dict[int, float]] = {}
+    for tag in acc.Tags().get("scalars", []):
+        if not any(t in tag for t in TIMING_SCALARS):
+            found[tag] = {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}
+    return found
 
-    a, b = scalars(reference), scalars(faulted)
+
+def compare_scalars(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
+    """The first TensorBoard scalar (tag and step) where the runs differ (:func:`scalar_points`); None when they
+    agree."""
+    a, b = scalar_points(reference), scalar_points(faulted)
     for tag in sorted(set(a) | set(b)):
         for step in sorted(set(a.get(tag, {})) | set(b.get(tag, {}))):
             x, y = a.get(tag, {}).get(step), b.get(tag, {}).get(step)
