@@ -240,3 +240,14 @@ class ReseedOnResume(Callback):
         if self.pending:
             self.pending = False
             torch.manual_seed(0)
+
+
+class ForgetLoaderPosition(Callback):
+    """Breaks a resume as a sampler without state does: a resumed fit drops the train loaders' positions from the
+    checkpoint it loads (Lightning's and ExactResume's), so it starts its epoch over. Not the restore check's to
+    stop (it compares no loader position); the calibrated chaos finds it."""
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
+        for entry in checkpoint.get("exact_resume", {}).get("per_rank", []):
+            entry["train_loaders"] = []

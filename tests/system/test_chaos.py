@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.callbacks import GradientNoise, NudgeOnResume, ReseedOnResume
+from tests.callbacks import ForgetLoaderPosition, GradientNoise, NudgeOnResume, ReseedOnResume
 from tests.helpers import TINY_GPT_ARGS, Runner, callback, compose, lit_ddp, noise_lines, write_callbacks_config
 
 # 80 epochs of 28 steps on 2 processes (about 20 s here), a checkpoint every 50 steps.
@@ -172,14 +172,17 @@ def test_chaos_catches_a_run_that_does_not_resume_exactly(tmp_path: Path, runner
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("breaker", [None, ReseedOnResume], ids=["resume", "reseeded_resume"])
+@pytest.mark.parametrize(
+    "breaker", [None, ReseedOnResume, ForgetLoaderPosition], ids=["resume", "reseeded_resume", "epoch_restarted"]
+)
 def test_calibrated_chaos_judges_runs_with_nondeterministic_kernels(
     tmp_path: Path, runner: Runner, seed: int, breaker: type | None
 ) -> None:
     """minGPT with dropout, made nondeterministic by gradient noise from the OS (as a GPU's fast kernels are): the
     real resume is within K x the spread of two uninterrupted runs; one that reseeds torch's RNG at its first batch
-    (past the restore check) is not. Measured here (loss RMS over the run, the faulted run's over the spread): 0.85,
-    1.30, 1.62 for the real resume, 79 for the reseeded one; K=4 keeps a real resume's unlucky draw from failing."""
+    (past the restore check) is not, nor one whose sampler starts its epoch over. Measured here (loss RMS over the run, the faulted run's over the spread): 0.85,
+    1.30, 1.62 for the real resume, 79 for the reseeded one, 231 for the epoch started over; K=4 keeps a real resume's
+    unlucky draw from failing."""
     extra = [callback(GradientNoise, scale=1e-6)] + ([callback(breaker)] if breaker else [])
     callbacks = write_callbacks_config(tmp_path / "callbacks.yaml", *extra)
     fit = [*compose("mingpt/cpu", "checkpoint/fault_tolerant", "mingpt/fault_tolerant"), *TINY_GPT_ARGS,
