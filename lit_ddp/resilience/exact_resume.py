@@ -146,10 +146,10 @@ class ExactResume(Callback):
             )
         mine = per_rank[trainer.global_rank % len(per_rank)]
         self._rng_states = mine["rng"]
-        # What the restore check compares before the first step; another world size reshards the state by design.
-        if len(per_rank) == trainer.world_size:
-            plain = restore_check.plain_tensors(pl_module)
-            self._promised = restore_check.promised(checkpoint, mine["rng"], tensors=plain)
+        # What the restore check compares before the first step: on another world size, not the RNG streams (rank r
+        # restores rank r mod n's by design, see above).
+        rng = mine["rng"] if len(per_rank) == trainer.world_size else None
+        self._promised = restore_check.promised(checkpoint, rng, tensors=restore_check.plain_tensors(pl_module))
         # Another world size: another rank's running sums would count its batches twice (or never).
         self._metric_states = mine.get("metrics") if len(per_rank) == trainer.world_size else None
         fit_state = checkpoint.get("loops", {}).get("fit_loop")

@@ -3,13 +3,13 @@ first step (:class:`lit_ddp.resilience.exact_resume.ExactResume` calls it at the
 after every callback's). A loading bug, a callback that edits the weights on resume: the run stops with one line
 naming the first entry that differs, instead of training on from a state nobody saved.
 
-Compared, on a resume with the world size that wrote the checkpoint, on every rank: the global step, each LR
-scheduler's state, this rank's RNG streams as ExactResume saved them (torch, CUDA, numpy, Python), and, where the
-checkpoint holds them as plain tensors (DDP, one device; not FSDP2's or tensor parallelism's ``DTensor`` shards,
-which torch's distributed checkpoint loads in place), every tensor of the module's ``state_dict()`` and each
-optimizer's state and param groups. Tensors bit for bit (``torch.equal``), other values by ``==``. The loaders'
-positions are not compared (torchdata restores them; ExactResume rebuilds the iterator). On another world size
-nothing is compared: the state is resharded there by design.
+Compared on every rank: the global step, each LR scheduler's state, this rank's RNG streams as ExactResume saved
+them (torch, CUDA, numpy, Python; on another world size not, where rank r restores rank r mod n's by design), and,
+where the checkpoint holds them as plain tensors (DDP, one device, on any world size: the same global state on
+every rank; not FSDP2's or tensor parallelism's ``DTensor`` shards, which torch's distributed checkpoint loads in
+place), every tensor of the module's ``state_dict()`` and each optimizer's state and param groups. Tensors bit for
+bit (``torch.equal``), other values by ``==``. The loaders' positions are not compared (torchdata restores them;
+ExactResume rebuilds the iterator, and Lightning then fetches a batch ahead).
 
 It reads the checkpoint Lightning has loaded anyway, so a save costs nothing more; a resume costs one pass over
 the state (``bench/restore_check_cost.py``). Our own code: no library checks a restore.
@@ -27,16 +27,18 @@ from torch.distributed.tensor import DTensor
 from lit_ddp.errors import RestoreMismatchError
 
 
-def promised(checkpoint: dict[str, Any], rng: dict[str, Any], tensors: bool) -> dict[str, Any]:
+def promised(checkpoint: dict[str, Any], rng: dict[str, Any] | None, tensors: bool) -> dict[str, Any]:
     """What the checkpoint says a resume restores, as named leaves (``global_step``, ``scheduler0/last_epoch``,
     ``rng/torch``, ``parameters/model.lm_head.weight``, ``optimizer0/state/3/exp_avg``...): its values, not copies.
-    ``rng``: this rank's RNG states from ExactResume's entry; ``tensors``: the module and optimizers too."""
+    ``rng``: this rank's RNG states from ExactResume's entry (None: not compared); ``tensors``: the module and
+    optimizers too."""
     leaves: dict[str, Any] = {}
     if "global_step" in checkpoint:
         leaves["global_step"] = checkpoint["global_step"]
     if "lr_schedulers" in checkpoint:
         _add(leaves, "scheduler", checkpoint["lr_schedulers"])
-    _add(leaves, "rng", rng)
+    if rng is not None:
+        _add(leaves, "rng", rng)
     if tensors and "state_dict" in checkpoint:
         _add(leaves, "parameters", dict(checkpoint["state_dict"]))
     if tensors and "optimizer_states" in checkpoint:
