@@ -86,21 +86,25 @@ bench-compile-restart: venv
 bench-fsdp: venv
 	$(BIN)/python -m bench.fsdp $(BENCH_ARGS)
 
-# One GPU check in at most 7 minutes (GPU machines; bench/gpu_check.py): the GPU main job against nanoGPT's GPU recipe,
-# the tutorial config's tokens/s and MFU, restart seconds, the deterministic kernels' cost, three fits at once ending
-# promptly, lit-ddp chaos under FSDP2 and DDP, generate on the GPU, each part alone and time-boxed; one table (also
-# under $OUT, else runs/bench_gpu). With PYTHON given (`make bench-gpu PYTHON=python3`, a GPU image): that Python and no
-# venv; the wheels in .whl/ are installed into /tmp/site where it lacks them. BENCH_GPU_PARTS="..." runs some parts;
-# BENCH_GPU_DRY=1 runs every part on the CPU with tiny sizes (the plumbing, a few minutes).
+# The GPU check (GPU machines; bench/gpu_check.py) in two halves of at most 7 minutes each, every part alone and
+# time-boxed, one table each (also under $OUT, else runs/bench_gpu). bench-gpu-speed: the GPU main job against
+# nanoGPT's GPU recipe, the tutorial config's tokens/s and MFU, restart seconds. bench-gpu-path: three fits at once
+# ending promptly, lit-ddp chaos under FSDP2 and DDP, generate on the GPU, the deterministic kernels' cost. bench-gpu:
+# both in one run (about 13 minutes: on a device machine, call the halves one after the other). With PYTHON given
+# (`make bench-gpu-speed PYTHON=python3`, a GPU image): that Python and no venv; the wheels in .whl/ are installed
+# into /tmp/site where it lacks them. BENCH_GPU_PARTS="..." runs some parts; BENCH_GPU_DRY=1 runs them on the CPU with
+# tiny sizes (the plumbing, a few minutes).
 BENCH_GPU_PYTHON = $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(BIN)/python)
 BENCH_GPU_DEPS = $(if $(filter command line environment,$(origin PYTHON)),,venv)
-.PHONY: bench-gpu-speed
+.PHONY: bench-gpu-speed bench-gpu-path
 bench-gpu: $(BENCH_GPU_DEPS)
 	$(BENCH_GPU_PYTHON) -m bench.gpu_check
 
-# The GPU main job against the nanoGPT reference alone (issue 44's speed benchmark, about 3 minutes on one H100).
 bench-gpu-speed: $(BENCH_GPU_DEPS)
-	BENCH_GPU_PARTS="main reference" $(BENCH_GPU_PYTHON) -m bench.gpu_check
+	BENCH_GPU_PARTS=speed $(BENCH_GPU_PYTHON) -m bench.gpu_check
+
+bench-gpu-path: $(BENCH_GPU_DEPS)
+	BENCH_GPU_PARTS=path $(BENCH_GPU_PYTHON) -m bench.gpu_check
 
 bench-save: venv
 	$(BIN)/python -m bench.atomic_save $(BENCH_ARGS)

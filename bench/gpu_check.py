@@ -1,11 +1,17 @@
-"""One GPU check in at most 7 minutes (issues 43 and 44): every part alone on the GPU, each time-boxed, one table.
+"""The GPU check (issues 43 and 44) in two halves of at most 7 minutes each: every part alone on the GPU, each
+time-boxed, one table per half.
 
-    make bench-gpu PYTHON=python3          # every part (the GPU image: no venv, wheels from .whl/)
-    make bench-gpu-speed PYTHON=python3    # the GPU main job against the nanoGPT reference alone
+    make bench-gpu-speed PYTHON=python3    # the speed half (the GPU image: no venv, wheels from .whl/)
+    make bench-gpu-path PYTHON=python3     # the path half
+    make bench-gpu PYTHON=python3          # both, one after the other (about 13 minutes: over one device call)
     BENCH_GPU_PARTS="chaos_ddp generate" python3 -m bench.gpu_check    # some parts again
     BENCH_GPU_DRY=1 python -m bench.gpu_check   # every part on the CPU, tiny sizes: the plumbing (a few minutes)
 
-The parts, in order of value (the speed figures first, so that a run cut short still gives the most):
+Why two halves: on an H200 (2026-11-27) a lit-ddp launch costs 15-55 s before its first step, and the parts need
+about 10 launches; every part in one 7-minute budget left the restart and both chaos runs without a result. The
+halves' parts, in order of value (the first ones' figures come first, so that a run cut short still gives the most):
+
+``speed`` (``GROUPS``):
 
 - ``main``: the GPU main job, ``lit-ddp fit --config configs/trainer/ddp.yaml --config configs/mingpt/gpu.yaml``
   (``$BENCH_GPU_MAIN_CONFIG``), from a fresh run directory: seconds from launch to its first optimizer step and to
@@ -18,19 +24,23 @@ The parts, in order of value (the speed figures first, so that a run cut short s
   number of steps: tokens/s and MFU of its TokenThroughputMonitor;
 - ``restart``: the main job under ``torchrun --max-restarts 1`` on one GPU, its worker SIGKILLed mid-step:
   seconds from the kill to the first optimizer step after it (:mod:`bench.recovery`; issue 44: at most 10 s);
-- ``determinism``: tokens/s of the tutorial model's step with and without deterministic algorithms
-  (:mod:`bench.deterministic_cost`, issue 42);
+
+``path``:
+
 - ``three``: three one-process tutorial fits started at once, each of which must exit within 15 s of its last
   optimizer step; one that lingers gets a stack dump (``py-spy dump`` where installed, else faulthandler through
   ``PYTHONFAULTHANDLER=1`` and SIGABRT) in its log;
 - ``chaos_fsdp2`` / ``chaos_ddp``: ``lit-ddp chaos`` on the tutorial model under FSDP2 (a ``term`` fault) and under
   DDP (a ``kill`` fault), few steps: the verdict;
 - ``generate``: ``lit-ddp generate`` from the FSDP2 chaos run's sharded checkpoint, on the GPU (``--device cuda``
-  where the command has the option; else without it, as the table says).
+  where the command has the option; else without it, as the table says);
+- ``determinism``: tokens/s of the tutorial model's step with and without deterministic algorithms
+  (:mod:`bench.deterministic_cost`, issue 42; measured once, 0.933x on an H200, so last).
 
 Time: each part has a box (seconds, ``BOXES``; ``$BENCH_GPU_BOX_<PART>`` overrides one); what a part leaves of
-its box goes to the next ones, and no part starts past the budget (``$BENCH_GPU_BUDGET``, 420 s: the boxes sum to
-it), counted from this script's start, so the whole check, wheels and warm-up included, ends within it. Each
+its box goes to the next ones, and no part starts past the budget (``$BENCH_GPU_BUDGET``; by default the sum of
+the chosen parts' boxes, ``setup`` included: at most 420 s for each half), counted from this script's start, so the
+check, wheels and warm-up included, ends within it. Each
 command runs under ``timeout`` (SIGTERM at the box, SIGKILL 5 s later); this process is the subreaper of every
 process the parts start, and ends whatever one of them leaves behind before the next part starts.
 
@@ -38,9 +48,9 @@ Environment: ``PYTHON`` is not read here: this script runs under the Python it i
 it (``sys.executable``). Where ``jsonargparse``, ``docstring_parser``, ``typeshed_client`` or ``torchdata`` is
 missing and ``.whl/`` holds wheels, they are installed into ``$BENCH_GPU_SITE`` (``/tmp/site``) with pip
 (no index, no dependencies) and ``PYTHONPATH`` becomes ``$BENCH_GPU_SITE:<repo>``. ``BENCH_GPU_PARTS``: the parts
-to run (names above, space- or comma-separated). ``BENCH_GPU_DRY=1``: every part on the CPU with tiny sizes and
-few steps, one thread per process, 60 s for a fit to exit (``$BENCH_GPU_LINGER_S``), larger boxes: it checks the
-plumbing, not the figures. Output: the table (markdown) at the end, and under ``$OUT`` (else ``runs/bench_gpu``)
+to run (names above or ``speed`` / ``path``, space- or comma-separated; ``setup`` always runs first).
+``BENCH_GPU_DRY=1``: every part on the CPU with tiny sizes and few steps, one thread per process, 60 s for a fit to
+exit (``$BENCH_GPU_LINGER_S``), larger boxes: it checks the plumbing, not the figures. Output: the table (markdown) at the end, and under ``$OUT`` (else ``runs/bench_gpu``)
 ``table.md``, ``results.json`` and ``logs.tar.gz`` (every part's log); run directories under ``$BENCH_GPU_WORK``
 (``runs/bench_gpu/work``). Exit status 0 when every part ran and passed, else 1. This replaces ``bench/gpu_path.sh``
 (two chaos runs side by side, 8 to 10 minutes).
@@ -73,23 +83,28 @@ RATIO_TARGET = 0.5  # main job / reference, time to 1.4697
 RESTART_TARGET = 10.0  # seconds from a kill to the next optimizer step
 LINGER_S = 15.0  # a fit must exit within this many seconds of its last optimizer step (the dry run: 60 s, a busy CPU)
 KILL_GRACE = 5  # timeout(1)'s -k: SIGKILL this long after the SIGTERM
-BUDGET_S = 420.0
-# Seconds per part on one H100 (a lit-ddp launch there: ~13 s of imports, 15-30 s more to the first step), in
-# order of value; they sum to BUDGET_S. The dry run's boxes are for a busy 2-core CPU.
+BUDGET_S = 420.0  # each half's boxes, setup included, sum to at most this
+# Seconds per part on one GPU, from the walls measured on an H200 (2026-11-27): setup 15, main 114 (1.4697 at 109 s
+# from launch, 55 s to the first step), reference 75, tutorial 30, three 33; the restart (62 s) and the chaos runs
+# (90 s each, both stopped after their resume had started) ran out of their boxes. The dry run's boxes are for a
+# busy 2-core CPU.
 BOXES: dict[str, tuple[float, float]] = {  # part: (GPU box, dry-run box)
-    "setup": (25, 90),
-    "main": (75, 150),
-    "reference": (90, 120),
+    "setup": (20, 90),
+    "main": (125, 150),
+    "reference": (85, 120),
     "tutorial": (35, 150),
-    "restart": (50, 200),
+    "restart": (150, 200),
+    "three": (45, 200),
+    "chaos_fsdp2": (130, 250),
+    "generate": (25, 90),
+    "chaos_ddp": (130, 250),
     "determinism": (25, 120),
-    "three": (40, 200),
-    "chaos_fsdp2": (45, 250),
-    "generate": (20, 90),
-    "chaos_ddp": (15, 250),
 }
 PARTS = tuple(BOXES)
-SPEED_PARTS = ("main", "reference")  # make bench-gpu-speed
+GROUPS = {  # make bench-gpu-speed, make bench-gpu-path
+    "speed": ("main", "reference", "tutorial", "restart"),
+    "path": ("three", "chaos_fsdp2", "generate", "chaos_ddp", "determinism"),
+}
 WHEEL_MODULES = ("jsonargparse", "docstring_parser", "typeshed_client", "torchdata")
 DDP, FSDP, GPU = "configs/trainer/ddp.yaml", "configs/trainer/fsdp.yaml", "configs/trainer/gpu.yaml"
 TUTORIAL, FAULT_TOLERANT = "configs/mingpt/tutorial.yaml", "configs/checkpoint/fault_tolerant.yaml"
@@ -598,16 +613,18 @@ RUNNERS: dict[str, Callable[[Context, float], Row]] = {
 
 
 def chosen_parts(spec: str | None) -> list[str]:
-    """The parts ``spec`` names (space- or comma-separated), in the table's order, with ``setup`` first; every part
-    for None or an empty spec.
+    """The parts ``spec`` names (space- or comma-separated part or group names), in the table's order, with
+    ``setup`` first; every part for None or an empty spec.
 
     Raises:
-        ValueError: a name that is no part.
+        ValueError: a name that is no part and no group.
     """
     names = [n for n in re.split(r"[\s,]+", spec or "") if n]
-    if unknown := [n for n in names if n not in PARTS]:
-        raise ValueError(f"BENCH_GPU_PARTS: unknown part(s) {', '.join(unknown)}; parts: {', '.join(PARTS)}")
-    return [p for p in PARTS if not names or p in names or p == "setup"]
+    if unknown := [n for n in names if n not in PARTS and n not in GROUPS]:
+        known = ", ".join((*PARTS, *GROUPS))
+        raise ValueError(f"BENCH_GPU_PARTS: unknown part(s) {', '.join(unknown)}; parts and groups: {known}")
+    chosen = {p for n in names for p in GROUPS.get(n, (n,))}
+    return [p for p in PARTS if not names or p in chosen or p == "setup"]
 
 
 def main() -> int:
@@ -618,7 +635,8 @@ def main() -> int:
     except ValueError as e:
         print(f"bench.gpu_check: {e}", file=sys.stderr)
         return 2
-    budget = float(os.environ.get("BENCH_GPU_BUDGET", sum(b[1] for b in BOXES.values()) if dry else BUDGET_S))
+    boxes = sum(BOXES[p][1 if dry else 0] for p in parts)
+    budget = float(os.environ.get("BENCH_GPU_BUDGET", boxes))
     out = Path(os.environ.get("OUT") or REPO / "runs" / "bench_gpu")
     work = Path(os.environ.get("BENCH_GPU_WORK") or REPO / "runs" / "bench_gpu" / "work")
     logs = work / "logs"

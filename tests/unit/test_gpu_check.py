@@ -10,6 +10,7 @@ import pytest
 from bench.gpu_check import (
     BOXES,
     BUDGET_S,
+    GROUPS,
     PARTS,
     RUNNERS,
     Row,
@@ -22,8 +23,11 @@ from bench.gpu_check import (
 )
 
 
-def test_boxes_fit_the_budget_in_order_of_value() -> None:
-    assert sum(gpu for gpu, _ in BOXES.values()) <= BUDGET_S == 420
+def test_each_half_fits_the_budget_in_order_of_value() -> None:
+    for group, parts in GROUPS.items():
+        assert BOXES["setup"][0] + sum(BOXES[p][0] for p in parts) <= BUDGET_S == 420, group
+        assert list(parts) == [p for p in PARTS if p in parts], group  # the table's order
+    assert sorted(p for parts in GROUPS.values() for p in parts) == sorted(set(PARTS) - {"setup"})  # each once
     assert PARTS[:3] == ("setup", "main", "reference")  # the speed figures first: a run cut short still has them
     assert set(RUNNERS) == set(PARTS)
 
@@ -31,8 +35,10 @@ def test_boxes_fit_the_budget_in_order_of_value() -> None:
 def test_chosen_parts_keep_the_table_order_and_the_setup() -> None:
     assert chosen_parts(None) == list(PARTS)
     assert chosen_parts("generate, main") == ["setup", "main", "generate"]
+    assert chosen_parts("speed") == ["setup", *GROUPS["speed"]]
+    assert chosen_parts("path main") == ["setup", "main", *GROUPS["path"]]
     with pytest.raises(ValueError, match="unknown part"):
-        chosen_parts("main speed")
+        chosen_parts("main fast")
 
 
 def test_run_clock_file(tmp_path: Path) -> None:
