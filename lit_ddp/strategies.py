@@ -249,7 +249,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's load, a single-file checkpoint's optimizer state (DDP's) read in the optimizer's order
-        (:func:`lit_ddp.compat.optimizer_states_numbered_by_their_groups`). A sharded checkpoint of a model with
+        (:func:`lit_ddp.compat.rekey_optimizer_states_by_groups`). A sharded checkpoint of a model with
         strided parameters (tensor parallelism's q, k, v rows) is read as Lightning reads one, through contiguous
         rows (as :meth:`save_checkpoint` wrote them), which then go back to the strided layout.
 
@@ -264,7 +264,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if model is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
         if not any(_strided(p) for p in model.parameters()):  # a DDP checkpoint's optimizer numbers its parameters
-            with compat.optimizer_states_numbered_by_their_groups(model, self.optimizers):
+            with compat.rekey_optimizer_states_by_groups(model, self.optimizers):
                 return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         if not sharded.is_sharded(path):

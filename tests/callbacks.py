@@ -190,10 +190,9 @@ class MarkTrainStart(Callback):
             _write(self.state_dir, f"started_{len(list(Path(self.state_dir).glob('started_*')))}", str(os.getpid()))
 
 
-class NudgeOnResume(Callback):
-    """Breaks exactness on purpose, for ``lit-ddp chaos`` to catch: a fit that resumes from a checkpoint adds
-    1e-3 to its first parameter after its first step (what a lost RNG or loader state does, made plain). Before the
-    first step, the restore check would stop the run instead (``tests/unit/resilience/test_restore_check.py``)."""
+class _OnceAfterResume(Callback):
+    """For callbacks that act once in a fit that resumed from a checkpoint: :meth:`take` is True at its first call
+    after such a fit's start, False after that and in a fit that started fresh."""
 
     def __init__(self) -> None:
         self.pending = False
@@ -201,9 +200,18 @@ class NudgeOnResume(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.pending = bool(trainer.ckpt_path)
 
+    def take(self) -> bool:
+        pending, self.pending = self.pending, False
+        return pending
+
+
+class NudgeOnResume(_OnceAfterResume):
+    """Breaks exactness on purpose, for ``lit-ddp chaos`` to catch: a fit that resumes from a checkpoint adds
+    1e-3 to its first parameter after its first step (what a lost RNG or loader state does, made plain). Before the
+    first step, the restore check would stop the run instead (``tests/unit/resilience/test_restore_check.py``)."""
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: object) -> None:
-        if self.pending:
-            self.pending = False
+        if self.take():
             with torch.no_grad():
                 next(pl_module.parameters()).add_(1e-3)
 
@@ -226,19 +234,12 @@ class GradientNoise(Callback):
                 p.grad.add_(noise * p.grad.abs().mean() * self.scale)
 
 
-class ReseedOnResume(Callback):
+class ReseedOnResume(_OnceAfterResume):
     """Breaks a resume after its restore check, as a forgotten RNG does: at the first batch of a resumed fit,
     reseeds torch's global RNG (dropout masks then differ from the uninterrupted run's)."""
 
-    def __init__(self) -> None:
-        self.pending = False
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.pending = bool(trainer.ckpt_path)
-
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: object) -> None:
-        if self.pending:
-            self.pending = False
+        if self.take():
             torch.manual_seed(0)
 
 

@@ -25,7 +25,7 @@ LIGHTNING_RECOUNTS_EPOCH_END = lightning_minor(2, 6)
 """:func:`undo_epoch_end_recount`'s bug: measured on Lightning 2.6.6; off on another minor until its test_compat
 run shows the bug there."""
 LIGHTNING_REKEYS_BY_MODEL_ORDER = lightning_minor(2, 6)
-""":func:`optimizer_states_numbered_by_their_groups`' bug: measured on Lightning 2.6.6, as above."""
+""":func:`rekey_optimizer_states_by_groups`' bug: measured on Lightning 2.6.6, as above."""
 
 # ---- the training loop's position
 
@@ -99,7 +99,7 @@ def undo_epoch_end_recount(trainer: Trainer) -> None:
         fit_loop.epoch_progress.current.processed -= 1  # type: ignore[attr-defined]
 
 
-def start_the_epoch_after_a_last_batch_restart(trainer: Trainer) -> bool:
+def fix_last_batch_restart(trainer: Trainer) -> bool:
     """Counts the next epoch as started when Lightning restarts from a checkpoint written in ``on_train_batch_end``
     of an epoch's last batch (a step or time trigger that falls on it); returns whether it was that restart.
 

@@ -52,7 +52,7 @@ def threads_like_rank_zero(num_processes: int) -> None:
 
 
 @contextmanager
-def optimizer_states_numbered_by_their_groups(model: Any, optimizers: list[Any]) -> Iterator[None]:
+def rekey_optimizer_states_by_groups(model: Any, optimizers: list[Any]) -> Iterator[None]:
     """While it lasts, ``ModelParallelStrategy`` reads a single-file checkpoint's numbered optimizer states (DDP's)
     in the order of ``optimizers``' groups, as torch numbers them. A bug: Lightning's private
     ``_rekey_optimizer_state_if_needed`` numbers ``model.parameters()`` (``FSDP.rekey_optim_state_dict``,

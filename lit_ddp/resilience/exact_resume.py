@@ -29,7 +29,7 @@ from lit_ddp import compat
 from lit_ddp.resilience import restore_check
 from lit_ddp.resilience.resume_report import (
     reached_its_end,
-    say_where_the_run_resumed,
+    report_resume,
     training_settings,
     warn_restored_settings,
 )
@@ -64,10 +64,10 @@ class ExactResume(Callback):
     Lightning counts that epoch twice on restart, so every later epoch would draw the next one's order and log a
     step off; both are set back (:func:`lit_ddp.compat.undo_epoch_end_recount`). A checkpoint written after an
     epoch's last batch: Lightning leaves the next epoch uncounted, and a second restart from a checkpoint of the
-    resumed run would train a whole epoch again (:func:`lit_ddp.compat.start_the_epoch_after_a_last_batch_restart`).
+    resumed run would train a whole epoch again (:func:`lit_ddp.compat.fix_last_batch_restart`).
 
     A checkpoint written with another global batch (``batch_size`` x processes): the epoch still ends after all
-    of its samples (:func:`count_the_epoch_in_samples`), with a warning.
+    of its samples (:func:`remap_epoch_progress`), with a warning.
 
     A checkpoint from a different world size: the train loader continues from the saved global sample
     position (:class:`lit_ddp.data.samplers.GlobalOrderSampler`, whose state is the same on every rank), so
@@ -75,7 +75,7 @@ class ExactResume(Callback):
     inside a step (dropout) differ from an uninterrupted run's.
 
     Every resume (automatic, ``--ckpt_path``, a restart) says where it continues, or that the run had already
-    finished (:func:`lit_ddp.resilience.resume_report.say_where_the_run_resumed`), and compares the optimizers' and LR schedulers' settings
+    finished (:func:`lit_ddp.resilience.resume_report.report_resume`), and compares the optimizers' and LR schedulers' settings
     as the config built them with those the checkpoint restored, and warns about each that differs
     (:func:`lit_ddp.resilience.resume_report.warn_restored_settings`).
 
@@ -163,7 +163,7 @@ class ExactResume(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning skips the training loop, and on_train_start, when the restored run is at its end already.
         if trainer.ckpt_path is not None and not self._train_started and reached_its_end(trainer):
-            say_where_the_run_resumed(trainer, finished=True)
+            report_resume(trainer, finished=True)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._train_started = False
@@ -173,7 +173,7 @@ class ExactResume(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._train_started = True
         if trainer.ckpt_path is not None:
-            say_where_the_run_resumed(trainer)
+            report_resume(trainer)
             if self._configured_settings is not None:
                 warn_restored_settings(str(trainer.ckpt_path), self._configured_settings, training_settings(trainer))
         self._configured_settings = None
@@ -191,7 +191,7 @@ class ExactResume(Callback):
         mid_epoch = fit_loop.restarted_mid_epoch
         # Resumed after an epoch's last batch: that epoch is over (its running sums and progress bar with it), the
         # next one starts afresh, and Lightning's counts are set right for the checkpoints it will write.
-        epoch_over = compat.start_the_epoch_after_a_last_batch_restart(trainer)
+        epoch_over = compat.fix_last_batch_restart(trainer)
         if self._loader_states and mid_epoch:
             # draws from the RNGs while the iterator is built: before their restore below
             compat.restore_train_loaders(
@@ -202,7 +202,7 @@ class ExactResume(Callback):
             )
             saved, now = self._saved_global_batch, global_batch(trainer)
             if saved is not None and saved != now and len(self._loader_states) == 1:
-                count_the_epoch_in_samples(trainer, self._loader_states, saved)
+                remap_epoch_progress(trainer, self._loader_states, saved)
         self._loader_states = None
         if self._metric_states and mid_epoch and not epoch_over:  # the epoch's running sums go on
             restore_metric_states(pl_module, self._metric_states)
@@ -290,7 +290,7 @@ def global_batch(trainer: Trainer) -> int | None:
     return int(loaders[0].batch_size) * trainer.world_size
 
 
-def count_the_epoch_in_samples(trainer: Trainer, loader_states: list[dict[str, Any]], saved_global_batch: int) -> None:
+def remap_epoch_progress(trainer: Trainer, loader_states: list[dict[str, Any]], saved_global_batch: int) -> None:
     """On a resume with another global batch than the checkpoint's ``saved_global_batch``: sets the batches
     Lightning counts as done in the epoch to the samples the sampler consumed, in batches of today's global batch,
     and warns.

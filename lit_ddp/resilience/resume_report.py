@@ -21,7 +21,7 @@ def reached_its_end(trainer: Trainer) -> bool:
     )
 
 
-def say_where_the_run_resumed(trainer: Trainer, finished: bool = False) -> None:
+def report_resume(trainer: Trainer, finished: bool = False) -> None:
     """One line once the checkpoint is restored: the step, epoch and launcher restart the run continues from, or,
     ``finished``, that it had already finished there (nothing trained) and how to go on."""
     restart = restart_count()

@@ -115,7 +115,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(
 ) -> None:
     """Sharded checkpoints (configs/trainer/fsdp.yaml) of 2 processes resume on 1 and on 3, and of 1 on 2, and a
     DDP run's single-file checkpoint under FSDP2 on 2 (its optimizer state numbered, not named:
-    compat.optimizer_states_numbered_by_their_groups), by an explicit --ckpt_path into a new run directory: DCP
+    compat.rekey_optimizer_states_by_groups), by an explicit --ckpt_path into a new run directory: DCP
     reshards the parameters and AdamW's state, the sampler continues the global order (the same global batch
     each time: 48 where 3 processes take it, 16 elsewhere; no dropout), and the 40 steps end with the parameters
     of the run that was not interrupted, to float rounding (1e-5, relative, per tensor: :func:`worst_drift`). Then ``lit-ddp

@@ -194,7 +194,7 @@ def test_lightning_leaves_the_epoch_after_a_last_batch_restart_uncounted(tmp_pat
     """Saved after the last of 8 batches (``on_train_batch_end``, step 8), resumed: Lightning starts epoch 1 without
     counting it ready or calling ``on_train_epoch_start``, so its step-12 checkpoint reads as no restart, and a run
     resumed from there trains epoch 1 again from its first batch: it ends at step 20, not 16. With
-    ``compat.start_the_epoch_after_a_last_batch_restart`` at ``on_train_start`` it ends at 16. When the plain
+    ``compat.fix_last_batch_restart`` at ``on_train_start`` it ends at 16. When the plain
     chain ends at 16, Lightning has fixed it: delete the workaround."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -203,7 +203,7 @@ def test_lightning_leaves_the_epoch_after_a_last_batch_restart_uncounted(tmp_pat
 
     class Mend(Callback):
         def on_train_start(self, trainer: Trainer, pl_module) -> None:
-            compat.start_the_epoch_after_a_last_batch_restart(trainer)
+            compat.fix_last_batch_restart(trainer)
 
     def fit(epochs: int, *callbacks: Callback, ckpt_path: str | None = None) -> int:
         trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_epochs=epochs,
@@ -434,7 +434,7 @@ def _numbered_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
 
 
 def test_lightning_names_a_numbered_optimizer_state_in_the_models_order() -> None:
-    """The bug :func:`compat.optimizer_states_numbered_by_their_groups` works around: Lightning's rekey of a
+    """The bug :func:`compat.rekey_optimizer_states_by_groups` works around: Lightning's rekey of a
     single-file checkpoint's optimizer state gives index 0 (``1.weight``'s state, (1, 3)) the name ``0.weight``."""
     from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
 
@@ -447,14 +447,14 @@ def test_lightning_names_a_numbered_optimizer_state_in_the_models_order() -> Non
     assert there == flag, known("a numbered optimizer state named in the model's order", there, flag)
 
 
-def test_optimizer_states_numbered_by_their_groups() -> None:
+def test_rekey_optimizer_states_by_groups() -> None:
     """Inside the context, Lightning's rekey names each index after the optimizer's own parameter of that index;
     a state named already passes unchanged; on leaving, Lightning's own function is back."""
     from lightning.fabric.strategies import model_parallel
 
     model, optimizer, state = _numbered_state()
     lightning_rekey = model_parallel._rekey_optimizer_state_if_needed
-    with compat.optimizer_states_numbered_by_their_groups(model, [optimizer, optimizer]):
+    with compat.rekey_optimizer_states_by_groups(model, [optimizer, optimizer]):
         named = model_parallel._rekey_optimizer_state_if_needed(state, model)
         assert model_parallel._rekey_optimizer_state_if_needed(named, model) is named
     assert model_parallel._rekey_optimizer_state_if_needed is lightning_rekey
