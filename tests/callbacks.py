@@ -245,10 +245,16 @@ class ReseedOnResume(_OnceAfterResume):
 
 class ForgetLoaderPosition(Callback):
     """Breaks a resume as a sampler without state does: a resumed fit drops the train loaders' positions from the
-    checkpoint it loads (Lightning's and ExactResume's), so it starts its epoch over. Not the restore check's to
-    stop (it compares no loader position); the calibrated chaos finds it."""
+    checkpoint it loads (Lightning's and ExactResume's), so it starts its epoch over. With ``keep_promise`` it
+    leaves the positions the restore check compares, which then stops the run; without, the check has nothing to
+    compare (as for a sampler other than GlobalOrderSampler) and the calibrated chaos finds it."""
+
+    def __init__(self, keep_promise: bool = False) -> None:
+        self.keep_promise = keep_promise
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
         for entry in checkpoint.get("exact_resume", {}).get("per_rank", []):
             entry["train_loaders"] = []
+            if not self.keep_promise:
+                entry.pop("positions", None)

@@ -1,9 +1,7 @@
 """The samplers: DDP's ``DistributedSampler`` role (each rank its own shard), independent of the world size. Training:
-at a position a checkpoint restores exactly on any number of processes. Evaluation: each item once, none repeated.
-
-The idea is Megatron-LM's ``MegatronPretrainingSampler``: the saved state is the number of samples the whole job
-has consumed, not each rank's own count. It extends torchdata's ``StatefulDistributedSampler`` (saved and
-restored with the ``StatefulDataLoader``'s state), so Lightning injects no sampler of its own.
+at a position a checkpoint restores exactly on any number of processes (the idea of Megatron-LM's
+``MegatronPretrainingSampler``: the state is the samples the whole job consumed); torchdata's
+``StatefulDistributedSampler`` extended, so Lightning injects no sampler of its own. Evaluation: each item once.
 """
 
 from __future__ import annotations
@@ -49,19 +47,15 @@ class GlobalOrderSampler(StatefulDistributedSampler):
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.start = 0  # global samples of this epoch consumed before the current iterator began
-        self._resume: dict[str, Any] | None = None
+        self.pending: dict[str, Any] | None = None  # a loaded state, until the next iter()
+        self._order: tuple[int, torch.Tensor] | None = None
 
     def __iter__(self) -> Iterator[int]:
         n = len(self.dataset)
         self.start = self._resume_position()
         self.yielded = 0
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=generator)
-        else:
-            order = torch.arange(n)
         end = self.start + (n - self.start) // self.num_replicas * self.num_replicas
-        for index in order[self.start + self.rank : end : self.num_replicas].tolist():
+        for index in self.order(self.epoch)[self.start + self.rank : end : self.num_replicas].tolist():
             self.yielded += 1
             yield index
 
@@ -69,8 +63,15 @@ class GlobalOrderSampler(StatefulDistributedSampler):
         """Indices of a whole epoch for this rank (the loop counts batches of whole epochs)."""
         return len(self.dataset) // self.num_replicas
 
+    def order(self, epoch: int) -> torch.Tensor:
+        """``(len(dataset),)``: ``epoch``'s global order of the indices (the last one asked is kept, for saves)."""
+        if self._order is None or self._order[0] != epoch:
+            n, generator = len(self.dataset), torch.Generator().manual_seed(self.seed + epoch)
+            self._order = (epoch, torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n))
+        return self._order[1]
+
     def _resume_position(self) -> int:
-        resume, self._resume = self._resume, None
+        resume, self.pending = self.pending, None
         if resume is None or resume["epoch"] != self.epoch:
             return 0  # a fresh epoch (a checkpoint written at an epoch's end resumes into the next one)
         saved_world = resume.get("world_size", self.num_replicas)
@@ -98,7 +99,7 @@ class GlobalOrderSampler(StatefulDistributedSampler):
             )
         if int(state_dict["consumed"]) < 0:
             raise ValueError(f"consumed={state_dict['consumed']} must be >= 0")
-        self._resume = dict(state_dict)
+        self.pending = dict(state_dict)
 
 
 def this_process(trainer: Any = None) -> dict[str, Any]:

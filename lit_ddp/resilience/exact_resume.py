@@ -97,11 +97,14 @@ class ExactResume(Callback):
         self._in_train_batch = False  # between a batch's start and the logging of its point
         self._pending_log: tuple[int, dict[str, float]] | None = None
         self._resumed_mid_epoch = False
+        self._positions: list[dict[str, Any] | None] | None = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        loaders = compat.train_loader_states(trainer)
         local = {
             "rng": collect_rng_states(trainer.strategy.root_device),
-            "train_loaders": compat.train_loader_states(trainer),
+            "train_loaders": loaders,
+            "positions": restore_check.saved_positions(trainer, loaders),  # what the restore check compares
             "metrics": metric_states(pl_module),
         }
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -150,6 +153,7 @@ class ExactResume(Callback):
         # restores rank r mod n's by design, see above).
         rng = mine["rng"] if len(per_rank) == trainer.world_size else None
         self._promised = restore_check.promised(checkpoint, rng, tensors=restore_check.plain_tensors(pl_module))
+        self._positions = mine.get("positions")  # None in a checkpoint written before they were recorded
         # Another world size: another rank's running sums would count its batches twice (or never).
         self._metric_states = mine.get("metrics") if len(per_rank) == trainer.world_size else None
         fit_state = checkpoint.get("loops", {}).get("fit_loop")
@@ -221,7 +225,11 @@ class ExactResume(Callback):
             rng, plain = collect_rng_states(trainer.strategy.root_device), restore_check.plain_tensors(pl_module)
             live = restore_check.restored(trainer, pl_module, rng, tensors=plain)
             promised, self._promised = self._promised, None  # the checkpoint's tensors are let go either way
+            if self._positions and self._resumed_mid_epoch:  # else the next epoch starts at its first sample
+                restore_check.add_positions(promised, self._positions)
+                restore_check.add_positions(live, restore_check.live_positions(trainer, self._positions))
             restore_check.check(promised, live, str(trainer.ckpt_path))
+        self._positions = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._log_step_after_epoch_end is not None:

@@ -7,9 +7,11 @@ Compared on every rank: the global step, each LR scheduler's state, this rank's 
 them (torch, CUDA, numpy, Python; on another world size not, where rank r restores rank r mod n's by design), and,
 where the checkpoint holds them as plain tensors (DDP, one device, on any world size: the same global state on
 every rank; not FSDP2's or tensor parallelism's ``DTensor`` shards, which torch's distributed checkpoint loads in
-place), every tensor of the module's ``state_dict()`` and each optimizer's state and param groups. Tensors bit for
-bit (``torch.equal``), other values by ``==``. The loaders' positions are not compared (torchdata restores them;
-ExactResume rebuilds the iterator, and Lightning then fetches a batch ahead).
+place), every tensor of the module's ``state_dict()`` and each optimizer's state and param groups; on a resume
+mid-epoch, each train loader's :class:`~lit_ddp.data.samplers.GlobalOrderSampler` position (epoch and global
+sample) and the dataset indices of the global batch that follows it, which each save records
+(:func:`saved_positions`): a lost position, another seed or other data shows there. Tensors bit for bit
+(``torch.equal``), other values by ``==``.
 
 It reads the checkpoint Lightning has loaded anyway, so a save costs nothing more; a resume costs one pass over
 the state (``bench/restore_check_cost.py``). Our own code: no library checks a restore.
@@ -24,6 +26,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 
+from lit_ddp import compat
+from lit_ddp.data.samplers import GlobalOrderSampler
 from lit_ddp.errors import RestoreMismatchError
 
 
@@ -55,6 +59,60 @@ def restored(trainer: Trainer, pl_module: LightningModule, rng: dict[str, Any], 
         _add(leaves, "parameters", pl_module.state_dict())
         _add(leaves, "optimizer", [o.state_dict() for o in trainer.optimizers])
     return leaves
+
+
+def saved_positions(trainer: Trainer, loader_states: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """At a save, for each train loader: ``{"epoch", "consumed", "next_indices"}``, the global position its saved
+    state ``loader_states`` resumes at and the dataset indices of the next global batch (batch size x world size
+    samples) from there; None for a loader without a GlobalOrderSampler position in its state."""
+    positions: list[dict[str, Any] | None] = []
+    for loader, state in zip(compat.train_loaders(trainer), loader_states, strict=False):
+        sampler, saved = _sampler(loader), (state.get("_sampler_iter_state") or {}).get("sampler_state")
+        if sampler is None or not isinstance(saved, dict) or "consumed" not in saved:
+            positions.append(None)
+            continue
+        epoch, consumed = int(saved["epoch"]), int(saved["consumed"])
+        count = int(loader.batch_size or 1) * trainer.world_size
+        positions.append(
+            {"epoch": epoch, "consumed": consumed, "next_indices": _upcoming(sampler, epoch, consumed, count)}
+        )
+    return positions
+
+
+def live_positions(trainer: Trainer, saved: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
+    """After a restore, the same as :func:`saved_positions` read from the train loaders' samplers, with as many
+    next indices as ``saved`` holds (the global batch may have changed with the world size)."""
+    positions: list[dict[str, Any] | None] = []
+    for loader, promise in zip(compat.train_loaders(trainer), saved, strict=False):
+        sampler = _sampler(loader)
+        if sampler is None or promise is None:
+            positions.append(None)
+            continue
+        epoch, pending = sampler.epoch, sampler.pending  # a loaded state not iterated yet, or where iteration began
+        consumed = sampler.start if pending is None else int(pending["consumed"]) * (pending["epoch"] == epoch)
+        upcoming = _upcoming(sampler, epoch, consumed, len(promise["next_indices"]))
+        positions.append({"epoch": epoch, "consumed": consumed, "next_indices": upcoming})
+    return positions
+
+
+def add_positions(leaves: dict[str, Any], positions: list[dict[str, Any] | None]) -> None:
+    """``positions``' entries as leaves ``loader0/epoch``, ``loader0/consumed``, ``loader0/next_indices``, ..."""
+    for i, position in enumerate(positions):
+        for key, value in (position or {}).items():
+            leaves[f"loader{i}/{key}"] = value
+
+
+def _upcoming(sampler: GlobalOrderSampler, epoch: int, consumed: int, count: int) -> list[int]:
+    """The dataset indices of the ``count`` samples after global sample ``consumed`` of ``epoch``, every rank's in
+    the global order: with ``count`` = batch size x world size, the next step's global batch."""
+    return sampler.order(epoch)[consumed : consumed + count].tolist()
+
+
+def _sampler(loader: Any) -> GlobalOrderSampler | None:
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if isinstance(sampler, GlobalOrderSampler):
+            return sampler
+    return None
 
 
 def plain_tensors(pl_module: LightningModule) -> bool:

@@ -16,6 +16,7 @@ from lit_ddp.errors import RestoreMismatchError
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.restore_check import first_mismatch, promised
 from lit_ddp.tasks.regression import RegressionModule
+from tests.callbacks import ForgetLoaderPosition
 
 
 def test_first_mismatch_names_the_first_entry_saved_that_differs_or_is_missing() -> None:
@@ -57,6 +58,23 @@ def test_a_resume_that_restored_another_state_stops_before_its_first_step(tmp_pa
         fit(tmp_path / "nudged", 9, NudgeOnResume(), ckpt_path=last)
     assert last in str(e.value) and "nothing was trained" in str(e.value)
     assert not list((tmp_path / "nudged").glob("*.ckpt"))  # no step, no save
+
+
+def test_a_resume_at_another_data_position_stops_before_its_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved at step 6 of a 16-batch epoch: a resume that lost the loaders' state would start the epoch over, one
+    with another sampler seed would draw other batches; the check names the position or the next batch's indices."""
+    fit(tmp_path, 6)
+    last = str(tmp_path / "last.ckpt")
+    entry = torch.load(last, weights_only=False)["exact_resume"]["per_rank"][0]
+    assert entry["positions"][0]["consumed"] == 6 * 32 and len(entry["positions"][0]["next_indices"]) == 32
+    with pytest.raises(RestoreMismatchError, match=r"first at loader0/consumed"):
+        fit(tmp_path / "forgot", 9, ForgetLoaderPosition(keep_promise=True), ckpt_path=last)
+    assert fit(tmp_path / "forgot_all", 9, ForgetLoaderPosition(), ckpt_path=last).global_step == 9  # nothing promised
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # the sampler's seed (seed_everything's): the epoch in another order
+    with pytest.raises(RestoreMismatchError, match=r"first at loader0/next_indices"):
+        fit(tmp_path / "reseeded", 9, ckpt_path=last)
 
 
 def test_another_world_size_compares_the_state_but_not_the_rng_streams() -> None:
