@@ -1,6 +1,6 @@
 """The restore check: a resumed fit compares the state it restored with the one its checkpoint holds, before its
 first step (:class:`lit_ddp.resilience.exact_resume.ExactResume` calls it at the end of its ``on_train_start``,
-after every callback's). A loading bug, a callback that edits the weights on resume: the run stops with one line
+after that hook of the callbacks listed before it in the trainer). A loading bug, a callback that edits the weights on resume: the run stops with one line
 naming the first entry that differs, instead of training on from a state nobody saved.
 
 Compared on every rank: the global step, each LR scheduler's state, this rank's RNG streams as ExactResume saved
