@@ -9,6 +9,7 @@ computes. ``configs/trainer/fsdp.yaml`` names it in place of DDP; the LightningM
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from datetime import timedelta
@@ -273,18 +274,38 @@ class FSDP2Strategy(ModelParallelStrategy):
                 "rows would land in the wrong places): resume from a sharded one (save_distributed_checkpoint: true, "
                 "as configs/trainer/tp.yaml writes), or train on without tensor parallelism"
             )
-        states: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
-        states |= {f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(self.optimizers)}
-        for key, state in states.items():  # each read on its own, as Lightning's _load_checkpoint reads them
-            staged = {key: _mapped(state, _contiguous)}
-            dcp.load(staged, checkpoint_id=path)
-            restored = _mapped(staged[key], _strided_like, state)
+        for key, restored in self.read_sharded_state(path, copy=False).items():
             if key == "state_dict":
                 model.load_state_dict(restored, strict=self.lightning_module.strict_loading)  # type: ignore[union-attr]
             else:
                 optimizer = self.optimizers[int(key.split("_")[1])]
                 set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(cpu_offload=True))
         return torch.load(path / sharded.META, weights_only=weights_only)
+
+    def sharded_state(self) -> dict[str, Any]:
+        """The module's and optimizers' live state as a sharded checkpoint holds it: ``{"state_dict": ...,
+        "optimizer_0": ...}`` (torch's ``get_model_state_dict`` / ``get_optimizer_state_dict``; this rank's
+        ``DTensor`` shards)."""
+        model = self.model
+        assert model is not None, "the strategy's model is set up first"
+        states: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+        return states | {f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(self.optimizers)}
+
+    def read_sharded_state(self, path: Any, copy: bool = True) -> dict[str, Any]:
+        """The sharded checkpoint at ``path`` read into :meth:`sharded_state`'s layout (resharded by torch's
+        distributed checkpoint where the world size changed): into copies of the live tensors (``copy``; the restore
+        check compares them with the live ones), or into the live tensors themselves (a load). Collective.
+        """
+        read = {}
+        for key, state in self.sharded_state().items():  # each read on its own, as Lightning's _load_checkpoint
+            staged = {key: _mapped(_mapped(state, _copied) if copy else state, _contiguous)}
+            dcp.load(staged, checkpoint_id=path)
+            read[key] = _mapped(staged[key], _strided_like, state)
+        return read
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _contiguous(value: Any) -> Any:

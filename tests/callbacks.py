@@ -216,6 +216,16 @@ class NudgeOnResume(_OnceAfterResume):
                 next(pl_module.parameters()).add_(1e-3)
 
 
+class NudgeBeforeTheCheck(Callback):
+    """A load-time breaker: a fit that resumes from a checkpoint adds 1e-3 to its first parameter (this rank's shard
+    under FSDP2) in ``on_train_start``, where it runs before ExactResume's restore check, which then stops the run."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path:
+            with torch.no_grad():
+                next(pl_module.parameters()).add_(1e-3)
+
+
 class GradientNoise(Callback):
     """Makes CPU training nondeterministic, as a GPU's fast kernels do: before each optimizer step, adds
     ``scale x |grad|.mean() x N(0, 1)`` to every gradient, from a generator seeded from the OS (printed, so that a

@@ -225,6 +225,9 @@ class ExactResume(Callback):
             rng, plain = collect_rng_states(trainer.strategy.root_device), restore_check.plain_tensors(pl_module)
             live = restore_check.restored(trainer, pl_module, rng, tensors=plain)
             promised, self._promised = self._promised, None  # the checkpoint's tensors are let go either way
+            if not plain and (shards := restore_check.sharded_states(trainer)) is not None:
+                promised.update(shards[0])
+                live.update(shards[1])
             if self._positions and self._resumed_mid_epoch:  # else the next epoch starts at its first sample
                 restore_check.add_positions(promised, self._positions)
                 restore_check.add_positions(live, restore_check.live_positions(trainer, self._positions))

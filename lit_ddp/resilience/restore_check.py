@@ -6,19 +6,21 @@ naming the first entry that differs, instead of training on from a state nobody 
 Compared on every rank: the global step, each LR scheduler's state, this rank's RNG streams as ExactResume saved
 them (torch, CUDA, numpy, Python; on another world size not, where rank r restores rank r mod n's by design), and,
 where the checkpoint holds them as plain tensors (DDP, one device, on any world size: the same global state on
-every rank; not FSDP2's or tensor parallelism's ``DTensor`` shards, which torch's distributed checkpoint loads in
-place), every tensor of the module's ``state_dict()`` and each optimizer's state and param groups; on a resume
+every rank) every tensor of the module's ``state_dict()`` and each optimizer's state and param groups; under FSDP2
+and tensor parallelism from a sharded checkpoint, which torch's distributed checkpoint loads in place, this rank's
+shard of each of them, against the checkpoint read a second time into copies (``read_sharded_state``); on a resume
 mid-epoch, each train loader's :class:`~lit_ddp.data.samplers.GlobalOrderSampler` position (epoch and global
 sample) and the dataset indices of the global batch that follows it, which each save records
 (:func:`saved_positions`): a lost position, another seed or other data shows there. Tensors bit for bit
 (``torch.equal``), other values by ``==``.
 
-It reads the checkpoint Lightning has loaded anyway, so a save costs nothing more; a resume costs one pass over
-the state (``bench/restore_check_cost.py``). Our own code: no library checks a restore.
+It reads the checkpoint Lightning has loaded anyway (a sharded one a second time), so a save costs nothing more;
+a resume costs one pass over the state (``bench/restore_check_cost.py``). Our own code: no library checks a restore.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from lit_ddp import compat
 from lit_ddp.data.samplers import GlobalOrderSampler
 from lit_ddp.errors import RestoreMismatchError
+from lit_ddp.run_dir import sharded
 
 
 def promised(checkpoint: dict[str, Any], rng: dict[str, Any] | None, tensors: bool) -> dict[str, Any]:
@@ -93,6 +96,31 @@ def live_positions(trainer: Trainer, saved: list[dict[str, Any] | None]) -> list
         upcoming = _upcoming(sampler, epoch, consumed, len(promise["next_indices"]))
         positions.append({"epoch": epoch, "consumed": consumed, "next_indices": upcoming})
     return positions
+
+
+def sharded_states(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(promised, restored)`` leaves of a resume from a sharded checkpoint (``shards/state_dict/...``,
+    ``shards/optimizer_0/...``): this rank's local shard of every tensor, read again from the checkpoint and from the
+    live module and optimizers; None where the strategy reads no sharded state or the checkpoint is a single file.
+    Collective (every rank takes the same branch: the same strategy and checkpoint)."""
+    strategy: Any = trainer.strategy  # lit_ddp.strategies.FSDP2Strategy, or any strategy with read_sharded_state
+    path = trainer.ckpt_path
+    if path is None or not hasattr(strategy, "read_sharded_state") or not sharded.is_sharded(Path(path)):
+        return None
+    promised_leaves: dict[str, Any] = {}
+    restored_leaves: dict[str, Any] = {}
+    _add(promised_leaves, "shards", _local(strategy.read_sharded_state(path)))
+    _add(restored_leaves, "shards", _local(strategy.sharded_state()))
+    return promised_leaves, restored_leaves
+
+
+def _local(tree: Any) -> Any:
+    """``tree`` with each ``DTensor`` as this rank's local shard."""
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_local(v) for v in tree]
+    return tree.to_local() if isinstance(tree, DTensor) else tree
 
 
 def add_positions(leaves: dict[str, Any], positions: list[dict[str, Any] | None]) -> None:

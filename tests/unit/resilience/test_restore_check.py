@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_ddp.data.regression import RegressionDataModule
@@ -16,7 +16,7 @@ from lit_ddp.errors import RestoreMismatchError
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.restore_check import first_mismatch, promised
 from lit_ddp.tasks.regression import RegressionModule
-from tests.callbacks import ForgetLoaderPosition
+from tests.callbacks import ForgetLoaderPosition, NudgeBeforeTheCheck
 
 
 def test_first_mismatch_names_the_first_entry_saved_that_differs_or_is_missing() -> None:
@@ -27,15 +27,6 @@ def test_first_mismatch_names_the_first_entry_saved_that_differs_or_is_missing()
     assert first_mismatch(saved, {**saved, "parameters/w": w.double()}) == "parameters/w"  # same values, not bits
     assert first_mismatch(saved, {"global_step": 6, "parameters/w": w}) == "rng/torch"
     assert first_mismatch(saved, {**saved, "global_step": 7}) == "global_step"
-
-
-class NudgeOnResume(Callback):
-    """Adds 1e-3 to the first parameter when the fit resumes (before the restore check, which runs last)."""
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.ckpt_path:
-            with torch.no_grad():
-                next(pl_module.parameters()).add_(1e-3)
 
 
 def fit(root: Path, max_steps: int, *callbacks: Callback, ckpt_path: str | None = None) -> Trainer:
@@ -55,7 +46,7 @@ def test_a_resume_that_restored_another_state_stops_before_its_first_step(tmp_pa
     assert fit(tmp_path / "ok", 9, ckpt_path=last).global_step == 9  # restored as saved: trains on
 
     with pytest.raises(RestoreMismatchError, match=r"differs from the one saved there, first at parameters/") as e:
-        fit(tmp_path / "nudged", 9, NudgeOnResume(), ckpt_path=last)
+        fit(tmp_path / "nudged", 9, NudgeBeforeTheCheck(), ckpt_path=last)
     assert last in str(e.value) and "nothing was trained" in str(e.value)
     assert not list((tmp_path / "nudged").glob("*.ckpt"))  # no step, no save
 
