@@ -186,9 +186,15 @@ def check(promised: dict[str, Any] | None, restored: dict[str, Any], path: str) 
         dist.all_gather_object(found, mine)
     for rank, name in enumerate(found):
         if name is not None:
+            cause = (
+                "the sampler's seed (seed_everything), its shuffle or the data differ from the saved run's, or its "
+                "position was not restored"
+                if name.startswith("loader")
+                else "the load went wrong or something changed the state before the first step"
+            )
             raise RestoreMismatchError(
                 f"the state restored from {path} differs from the one saved there, first at {name} (rank {rank}): "
-                "the load went wrong or something changed the state before the first step; nothing was trained"
+                f"{cause}; nothing was trained"
             )
 
 

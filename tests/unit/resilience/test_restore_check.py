@@ -64,7 +64,7 @@ def test_a_resume_at_another_data_position_stops_before_its_first_step(
         fit(tmp_path / "forgot", 9, ForgetLoaderPosition(keep_promise=True), ckpt_path=last)
     assert fit(tmp_path / "forgot_all", 9, ForgetLoaderPosition(), ckpt_path=last).global_step == 9  # nothing promised
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # the sampler's seed (seed_everything's): the epoch in another order
-    with pytest.raises(RestoreMismatchError, match=r"first at loader0/next_indices"):
+    with pytest.raises(RestoreMismatchError, match=r"first at loader0/next_indices \(rank 0\): the sampler's seed"):
         fit(tmp_path / "reseeded", 9, ckpt_path=last)
 
 
