@@ -17,6 +17,12 @@ import torch.distributed as dist
 from lit_ddp.compat.imports import private
 
 
+def sampler_state(loader_state: dict[str, Any]) -> dict[str, Any]:
+    """The sampler's ``state_dict()`` inside a torchdata ``StatefulDataLoader`` state (its iterator's
+    ``_sampler_iter_state``; torchdata 0.11 names no public accessor); empty where there is none."""
+    return (loader_state.get("_sampler_iter_state") or {}).get("sampler_state") or {}
+
+
 def default_store() -> Any:
     """The default process group's store (torch's ``_get_default_store``, private on 2.9 to 2.15): a key-value
     exchange that works while collectives cannot (a peer died).

@@ -314,7 +314,7 @@ def remap_epoch_progress(trainer: Trainer, loader_states: list[dict[str, Any]], 
     Only a single train loader whose saved state holds a ``consumed`` position is counted so.
     """
     now = global_batch(trainer)
-    sampler_state = (loader_states[0].get("_sampler_iter_state") or {}).get("sampler_state") or {}
+    sampler_state = compat.sampler_state(loader_states[0])
     if now is None or "consumed" not in sampler_state:
         return
     consumed = int(sampler_state["consumed"])

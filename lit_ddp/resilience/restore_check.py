@@ -70,8 +70,8 @@ def saved_positions(trainer: Trainer, loader_states: list[dict[str, Any]]) -> li
     samples) from there; None for a loader without a GlobalOrderSampler position in its state."""
     positions: list[dict[str, Any] | None] = []
     for loader, state in zip(compat.train_loaders(trainer), loader_states, strict=False):
-        sampler, saved = _sampler(loader), (state.get("_sampler_iter_state") or {}).get("sampler_state")
-        if sampler is None or not isinstance(saved, dict) or "consumed" not in saved:
+        sampler, saved = _sampler(loader), compat.sampler_state(state)
+        if sampler is None or "consumed" not in saved:
             positions.append(None)
             continue
         epoch, consumed = int(saved["epoch"]), int(saved["consumed"])
