@@ -62,6 +62,7 @@ from lit_ddp.compat.torch import (
     strided_rows_survive_linear,
     strided_shard,
     tensorboard_file_writer,
+    worker_seed,
 )
 
 __all__ = [
@@ -103,6 +104,7 @@ __all__ = [
     "strategy_timeout",
     "tensorboard_hparams",
     "sampler_state",
+    "worker_seed",
     "strided_rows_survive_linear",
     "strided_shard",
     "tensorboard_file_writer",

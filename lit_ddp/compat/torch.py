@@ -17,10 +17,24 @@ import torch.distributed as dist
 from lit_ddp.compat.imports import private
 
 
+def _main_process_state(loader_state: dict[str, Any]) -> dict[str, Any]:
+    """A torchdata ``StatefulDataLoader`` state's main-process part: the state itself without workers, its
+    ``_snapshot/_main_snapshot`` with them (torchdata 0.11 names no public accessor for either)."""
+    snapshot = loader_state.get("_snapshot")
+    return (snapshot.get("_main_snapshot") or {}) if isinstance(snapshot, dict) else loader_state
+
+
 def sampler_state(loader_state: dict[str, Any]) -> dict[str, Any]:
     """The sampler's ``state_dict()`` inside a torchdata ``StatefulDataLoader`` state (its iterator's
-    ``_sampler_iter_state``; torchdata 0.11 names no public accessor); empty where there is none."""
-    return (loader_state.get("_sampler_iter_state") or {}).get("sampler_state") or {}
+    ``_sampler_iter_state``, with or without workers); empty where there is none."""
+    return (_main_process_state(loader_state).get("_sampler_iter_state") or {}).get("sampler_state") or {}
+
+
+def worker_seed(loader_state: dict[str, Any]) -> int | None:
+    """The seed every worker's RNGs start from (torch's ``base_seed + worker_id``, and Python's and numpy's derived
+    from it) in a torchdata ``StatefulDataLoader`` state of a loader with workers; None without workers."""
+    seed = _main_process_state(loader_state).get("_base_seed")
+    return None if seed is None else int(seed)
 
 
 def default_store() -> Any:

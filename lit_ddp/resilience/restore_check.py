@@ -10,8 +10,9 @@ every rank) every tensor of the module's ``state_dict()`` and each optimizer's s
 and tensor parallelism from a sharded checkpoint, which torch's distributed checkpoint loads in place, this rank's
 shard of each of them, against the checkpoint read a second time into copies (``read_sharded_state``); on a resume
 mid-epoch, each train loader's :class:`~lit_ddp.data.samplers.GlobalOrderSampler` position (epoch and global
-sample) and the dataset indices of the global batch that follows it, which each save records
-(:func:`saved_positions`): a lost position, another seed or other data shows there. Tensors bit for bit
+sample), the dataset indices of the global batch that follows it and, for a loader with workers, the seed their
+RNGs start from, which each save records (:func:`saved_positions`): a lost position, another seed or other data
+shows there. Tensors bit for bit
 (``torch.equal``), other values by ``==``.
 
 It reads the checkpoint Lightning has loaded anyway (a sharded one a second time), so a save costs nothing more;
@@ -67,7 +68,8 @@ def restored(trainer: Trainer, pl_module: LightningModule, rng: dict[str, Any], 
 def saved_positions(trainer: Trainer, loader_states: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """At a save, for each train loader: ``{"epoch", "consumed", "next_indices"}``, the global position its saved
     state ``loader_states`` resumes at and the dataset indices of the next global batch (batch size x world size
-    samples) from there; None for a loader without a GlobalOrderSampler position in its state."""
+    samples) from there, and for a loader with workers ``"worker_seed"``, the seed their RNGs start from; None for a
+    loader without a GlobalOrderSampler position in its state."""
     positions: list[dict[str, Any] | None] = []
     for loader, state in zip(compat.train_loaders(trainer), loader_states, strict=False):
         sampler, saved = _sampler(loader), compat.sampler_state(state)
@@ -76,17 +78,19 @@ def saved_positions(trainer: Trainer, loader_states: list[dict[str, Any]]) -> li
             continue
         epoch, consumed = int(saved["epoch"]), int(saved["consumed"])
         count = int(loader.batch_size or 1) * trainer.world_size
-        positions.append(
-            {"epoch": epoch, "consumed": consumed, "next_indices": _upcoming(sampler, epoch, consumed, count)}
-        )
+        position = {"epoch": epoch, "consumed": consumed, "next_indices": _upcoming(sampler, epoch, consumed, count)}
+        if (seed := compat.worker_seed(state)) is not None:
+            position["worker_seed"] = seed
+        positions.append(position)
     return positions
 
 
 def live_positions(trainer: Trainer, saved: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
-    """After a restore, the same as :func:`saved_positions` read from the train loaders' samplers, with as many
-    next indices as ``saved`` holds (the global batch may have changed with the world size)."""
+    """After a restore, the same as :func:`saved_positions` read from the train loaders' samplers and iterators,
+    with as many next indices as ``saved`` holds (the global batch may have changed with the world size)."""
     positions: list[dict[str, Any] | None] = []
-    for loader, promise in zip(compat.train_loaders(trainer), saved, strict=False):
+    states = compat.train_loader_states(trainer)
+    for i, (loader, promise) in enumerate(zip(compat.train_loaders(trainer), saved, strict=False)):
         sampler = _sampler(loader)
         if sampler is None or promise is None:
             positions.append(None)
@@ -94,7 +98,10 @@ def live_positions(trainer: Trainer, saved: list[dict[str, Any] | None]) -> list
         epoch, pending = sampler.epoch, sampler.pending  # a loaded state not iterated yet, or where iteration began
         consumed = sampler.start if pending is None else int(pending["consumed"]) * (pending["epoch"] == epoch)
         upcoming = _upcoming(sampler, epoch, consumed, len(promise["next_indices"]))
-        positions.append({"epoch": epoch, "consumed": consumed, "next_indices": upcoming})
+        position = {"epoch": epoch, "consumed": consumed, "next_indices": upcoming}
+        if "worker_seed" in promise:
+            position["worker_seed"] = compat.worker_seed(states[i]) if i < len(states) else None
+        positions.append(position)
     return positions
 
 
@@ -187,8 +194,10 @@ def check(promised: dict[str, Any] | None, restored: dict[str, Any], path: str) 
     for rank, name in enumerate(found):
         if name is not None:
             cause = (
-                "the sampler's seed (seed_everything), its shuffle or the data differ from the saved run's, or its "
-                "position was not restored"
+                "the loader's workers were seeded anew: their state was not restored"
+                if name.endswith("/worker_seed")
+                else "the sampler's seed (seed_everything), its shuffle or the data differ from the saved run's, or "
+                "its position was not restored"
                 if name.startswith("loader")
                 else "the load went wrong or something changed the state before the first step"
             )

@@ -29,14 +29,17 @@ def test_first_mismatch_names_the_first_entry_saved_that_differs_or_is_missing()
     assert first_mismatch(saved, {**saved, "global_step": 7}) == "global_step"
 
 
-def fit(root: Path, max_steps: int, *callbacks: Callback, ckpt_path: str | None = None) -> Trainer:
+def fit(
+    root: Path, max_steps: int, *callbacks: Callback, ckpt_path: str | None = None, num_workers: int = 0
+) -> Trainer:
     save = ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_last=True)
     trainer = Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[*callbacks, ExactResume(), save],
         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         default_root_dir=root,
     )  # fmt: skip
-    trainer.fit(RegressionModule(), RegressionDataModule(num_samples=512), ckpt_path=ckpt_path)
+    data = RegressionDataModule(num_samples=512, num_workers=num_workers)
+    trainer.fit(RegressionModule(), data, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -66,6 +69,29 @@ def test_a_resume_at_another_data_position_stops_before_its_first_step(
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # the sampler's seed (seed_everything's): the epoch in another order
     with pytest.raises(RestoreMismatchError, match=r"first at loader0/next_indices \(rank 0\): the sampler's seed"):
         fit(tmp_path / "reseeded", 9, ckpt_path=last)
+
+
+class ReseedLoaderWorkers(Callback):
+    """Listed before ExactResume: a resume loads the train loader's state with another seed for its workers, as a
+    loader that lost its workers' state does (their random draws, e.g. augmentations, would differ)."""
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: object, checkpoint: dict) -> None:
+        for entry in checkpoint["exact_resume"]["per_rank"]:
+            entry["train_loaders"][0]["_snapshot"]["_main_snapshot"]["_base_seed"] += 1
+
+
+def test_a_loader_with_workers_compares_its_position_and_its_workers_seed(tmp_path: Path) -> None:
+    """With workers, torchdata keeps the sampler's state in the main process's snapshot: the position is recorded
+    and compared there too, and so is the seed of the workers' RNGs."""
+    fit(tmp_path, 6, num_workers=2)
+    last = str(tmp_path / "last.ckpt")
+    position = torch.load(last, weights_only=False)["exact_resume"]["per_rank"][0]["positions"][0]
+    assert position["consumed"] == 6 * 32 and isinstance(position["worker_seed"], int)
+    assert fit(tmp_path / "ok", 9, ckpt_path=last, num_workers=2).global_step == 9
+    with pytest.raises(RestoreMismatchError, match=r"first at loader0/worker_seed \(rank 0\): the loader's workers"):
+        fit(tmp_path / "reseeded", 9, ReseedLoaderWorkers(), ckpt_path=last, num_workers=2)
+    with pytest.raises(RestoreMismatchError, match=r"first at loader0/consumed"):
+        fit(tmp_path / "forgot", 9, ForgetLoaderPosition(keep_promise=True), ckpt_path=last, num_workers=2)
 
 
 def test_another_world_size_compares_the_state_but_not_the_rng_streams() -> None:
