@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic bench-restore bench-compile-restart clean
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic bench-restore bench-chaos-spread bench-compile-restart clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,11 @@ bench-deterministic: venv
 # What the restore check costs a resume of the tutorial-size GPT, beside the save it guards (about a minute).
 bench-restore: venv
 	$(BIN)/python -m bench.restore_check_cost $(BENCH_ARGS)
+
+# How often lit-ddp chaos --calibrated K fails a run as good as a rerun, for each K: uninterrupted noisy runs
+# judged against each other (about 3 minutes for 20 runs).
+bench-chaos-spread: venv
+	$(BIN)/python -m bench.chaos_spread $(BENCH_ARGS)
 
 # A restart of the compiled main job (2 processes, torchrun, a worker killed) with and without torch.compile's
 # on-disk caches, side by side (about 3 minutes).

@@ -18,6 +18,7 @@ from lit_ddp.run_dir import layout
 
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
 PHASE_PROBE = "lit_ddp.chaos.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
+SKETCH = "lit_ddp.chaos.sketch.ParameterSketch"  # the parameters at each logged step, for --calibrated
 PHASE_FILE = ".chaos_phase"  # where it tells it, in the run directory
 SBATCH_SCRIPT = Path("slurm/train.sbatch")
 ELASTIC_SCRIPT = Path("slurm/train_elastic.sbatch")
@@ -80,7 +81,8 @@ class Job:
         extra = ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
         if faulted and "hang" in args.kinds:
             extra += ["--trainer.strategy.init_args.timeout", HANG_TIMEOUT]
-        extra += [f"--trainer.callbacks+={PHASE_PROBE}"]  # in both runs, alike
+        # in every run alike (a reference may serve a later --calibrated call)
+        extra += [f"--trainer.callbacks+={PHASE_PROBE}", f"--trainer.callbacks+={SKETCH}"]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # where its output goes: a log file, or Slurm's output file per job id (named here for messages)
         self.log = args.root / (f"{self.name}-<job id>.out" if args.launcher == "slurm" else f"{self.name}.log")
