@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from lit_ddp.resilience.exact_resume import collect_rng_states
 from lit_ddp.resilience.restore_check import first_mismatch, promised, restored
+from lit_ddp.resilience.resume_state import collect_rng_states
 from lit_ddp.tasks.mingpt import GPTModule
 
 

@@ -232,6 +232,23 @@ def restore_train_loaders(trainer: Trainer, states: list[dict[str, Any]], epoch:
     return True
 
 
+def restore_loop_position(trainer: Trainer, loader_states: list[dict[str, Any]]) -> tuple[bool, bool]:
+    """Puts the fit loop where the checkpoint left it, at ``on_train_start`` of a resume (a fresh fit is left as it
+    is): :func:`fix_last_batch_restart`, then on a mid-epoch restart the train loaders rebuilt from this rank's
+    ``loader_states`` (:func:`restore_train_loaders`; none: Lightning's restore stands), then
+    :func:`undo_epoch_end_recount`. The one call through which a resume reaches the loops' private state.
+    Returns ``(mid_epoch, epoch_over)``: whether Lightning restarted mid-epoch, and whether that epoch had ended
+    (the checkpoint was written after its last batch)."""
+    fit_loop = trainer.fit_loop
+    mid_epoch = fit_loop.restarted_mid_epoch
+    epoch_over = fix_last_batch_restart(trainer)
+    if loader_states and mid_epoch:
+        # Lightning annotates `current` as a _ReadyCompletedTracker; the fit loop's is a _ProcessedTracker.
+        restore_train_loaders(trainer, loader_states, fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+    undo_epoch_end_recount(trainer)
+    return mid_epoch, epoch_over
+
+
 # ---- RNG states (Lightning's helpers are private functions)
 
 

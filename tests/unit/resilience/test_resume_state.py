@@ -1,4 +1,4 @@
-"""lit_ddp.resilience.exact_resume: RNG states per rank, the CUDA one of the rank's own device only (issue 21,
+"""lit_ddp.resilience.resume_state: RNG states per rank, the CUDA one of the rank's own device only (issue 21,
 item 7), restored with fewer visible GPUs than were saved; simulated on CPU."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lit_ddp.resilience.exact_resume import (
+from lit_ddp.resilience.resume_state import (
+    ResumeState,
     collect_rng_states,
     metric_states,
     restore_metric_states,
@@ -91,3 +92,16 @@ def test_an_epoch_metric_continues_from_its_saved_sums() -> None:
     for pred, target in batches[2:]:
         fresh.train_mse.update(pred, target)
     assert not torch.equal(fresh.train_mse.compute(), uninterrupted.train_mse.compute())
+
+
+def test_state_dict_roundtrip_and_an_older_entry() -> None:
+    """The four entries go into the checkpoint as they are and come back; an entry written before ``positions`` and
+    ``metrics`` were recorded loads with them None (nothing to compare, nothing to restore)."""
+    rng = collect_rng_states(torch.device("cpu"))
+    state = ResumeState(rng, [{"_num_yielded": 3}], [{"epoch": 0, "consumed": 96, "next_indices": [4, 1]}], {})
+    loaded = ResumeState()
+    loaded.load_state_dict(state.state_dict())
+    assert loaded.state_dict() == state.state_dict()
+    older = ResumeState()
+    older.load_state_dict({"rng": rng, "train_loaders": [{"_num_yielded": 3}]})
+    assert older.positions is None and older.metrics is None and older.train_loaders == [{"_num_yielded": 3}]
