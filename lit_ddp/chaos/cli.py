@@ -35,7 +35,8 @@ injected from outside, then compares the two final checkpoints bit for bit.
   scalars (the last value logged at each step; timing scalars such as tokens/s, MFU, time left out). Printed: one line
   per fault (kind, target, seconds into the run, the step it hit, the newest checkpoint's step before it, the
   step the job resumed from, the steps trained again, the seconds until the job had trained the fault's step
-  again), the seconds the faults cost in all, then the verdict and the first differing entry.
+  again), the seconds the faults cost in all, the restore check's verdict (at how many of the resumes it passed;
+  a resume it stopped fails the job, and its line is printed), then the verdict and the first differing entry.
 - ``--calibrated K``, for runs whose kernels are not deterministic (GPUs without
   ``configs/checkpoint/exact.yaml``): a second uninterrupted run measures how far two runs drift apart, and the
   faulted run must stay within K times that: its parameters at every logged step (a fixed sample of them), its
@@ -75,6 +76,8 @@ LAUNCHER_KINDS = {
 # end the agent), and a frozen worker is torchrun's to end.
 ELASTIC_KINDS = ("kill", "hang", "node", "term", "validation")
 RESUMED = re.compile(r"Resumed from \S+ at global_step (\d+)")
+CHECKED = re.compile(r"Restore check passed: .*\((\d+) entries on rank 0\)")
+MISMATCH = re.compile(r"the state restored from \S+ differs from the one saved there, first at [^\n]*")
 
 
 def plan(seed: int, faults: int, kinds: list[str]) -> list[Fault]:
@@ -337,8 +340,13 @@ def chaos_main(argv: list[str]) -> int:
         faults, seconds = run_faulted(job, schedule, every, span, args.timeout)
     except RuntimeError as e:
         print(f"lit-ddp chaos: {e}", file=sys.stderr)
+        if mismatch := MISMATCH.search(job.output()):
+            print(f"restore check: {mismatch.group(0)}", file=sys.stderr)
         return 1
     print_faults(faults, [int(step) for step in RESUMED.findall(job.output())])
+    checked, resumes = CHECKED.findall(job.output()), len(RESUMED.findall(job.output()))
+    entries = f" ({', '.join(checked)} entries on rank 0)" if checked else ""
+    print(f"restore check: passed at {len(checked)} of {resumes} resumes{entries}")
     if took:
         print(f"the faults cost {seconds - took[0]:.1f} s ({seconds:.1f} s against {took[0]:.1f} s uninterrupted)")
     if args.calibrated is not None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.tensor import DTensor
 
 from lit_ddp import compat
@@ -181,7 +182,8 @@ def first_mismatch(promised: dict[str, Any], restored: dict[str, Any]) -> str | 
 
 def check(promised: dict[str, Any] | None, restored: dict[str, Any], path: str) -> None:
     """Compares on every rank and raises on every rank alike (one ``all_gather_object``), so that no rank trains on
-    while another stops.
+    while another stops; where all agree, rank zero says so in one line ("Restore check passed: ...", which
+    ``lit-ddp chaos`` reports per resume).
 
     Raises:
         RestoreMismatchError: some rank restored a state other than the one the checkpoint at ``path`` holds.
@@ -205,6 +207,9 @@ def check(promised: dict[str, Any] | None, restored: dict[str, Any], path: str) 
                 f"the state restored from {path} differs from the one saved there, first at {name} (rank {rank}): "
                 f"{cause}; nothing was trained"
             )
+    if promised is not None:
+        entries = f"({len(promised)} entries on rank 0)"
+        rank_zero_info(f"Restore check passed: the state restored from {path} is the one saved there {entries}")
 
 
 def _add(leaves: dict[str, Any], name: str, value: Any) -> None:

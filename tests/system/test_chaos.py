@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.callbacks import ForgetLoaderPosition, GradientNoise, NudgeOnResume, ReseedOnResume
+from tests.callbacks import ForgetLoaderPosition, GradientNoise, NudgeBeforeTheCheck, NudgeOnResume, ReseedOnResume
 from tests.helpers import TINY_GPT_ARGS, Runner, callback, compose, lit_ddp, noise_lines, write_callbacks_config
 
 # 80 epochs of 28 steps on 2 processes (about 20 s here), a checkpoint every 50 steps.
@@ -60,6 +60,7 @@ def test_chaos_under_torchrun_finds_the_run_exact(tmp_path: Path, runner: Runner
         assert resumed >= before and hit >= before and redone == max(0, hit - resumed), row
         assert row[1] == "term" or float(row[-1]) > 0, row  # a preemption may save past the step it hit
     assert "the faults cost" in result.stdout
+    assert re.search(r"^restore check: passed at (\d+) of \1 resumes \(", result.stdout, re.M), result.stdout[-3000:]
     # the SIGTERMed job: saved at a step boundary, failed, and its relaunch resumed from that preemption save
     log = (tmp_path / "faulted.log").read_text()
     assert "stopped by SIGTERM at a step boundary" in log, log[-5000:]
@@ -154,11 +155,15 @@ def test_chaos_under_slurm_survives_preemptions_on_an_unkind_cluster(tmp_path: P
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_chaos_catches_a_run_that_does_not_resume_exactly(tmp_path: Path, runner: Runner, seed: int) -> None:
-    """One process, a callback (by class path, as a user's would be) that changes a weight after a resumed fit's
-    first step (past the restore check): one kill of the process as it writes a checkpoint, and the tool exits 1
-    naming the first differing tensor."""
-    nudge = write_callbacks_config(tmp_path / "nudge.yaml", callback(NudgeOnResume))
+@pytest.mark.parametrize("breaker", [NudgeOnResume, NudgeBeforeTheCheck], ids=["after_the_check", "at_load"])
+def test_chaos_catches_a_run_that_does_not_resume_exactly(
+    tmp_path: Path, runner: Runner, seed: int, breaker: type
+) -> None:
+    """One process, a callback (by class path, as a user's would be) that changes a weight on resume: after the
+    resumed fit's first step (past the restore check), where one kill of the process as it writes a checkpoint makes
+    the tool exit 1 naming the first differing tensor; or before the first step, where the restore check stops every
+    launch of the faulted job and the tool exits 1 with the check's line."""
+    nudge = write_callbacks_config(tmp_path / "nudge.yaml", callback(breaker))
     fit = [*compose("regression/single_device", "checkpoint/fault_tolerant"), "--config", str(nudge)]
     fit += ["--trainer.max_epochs", "80", "--trainer.devices", "1"]
     cmd = lit_ddp(
@@ -166,7 +171,13 @@ def test_chaos_catches_a_run_that_does_not_resume_exactly(tmp_path: Path, runner
     )
     result = runner.run(cmd, timeout=240)
     assert result.returncode == 1, result.stdout[-6000:]
-    assert "DIFFERENT: first at state_dict/net." in result.stdout, result.stdout[-3000:]
+    if breaker is NudgeOnResume:
+        assert "restore check: passed at 1 of 1 resumes" in result.stdout, result.stdout[-3000:]
+        assert "DIFFERENT: first at state_dict/net." in result.stdout, result.stdout[-3000:]
+    else:
+        assert "the faulted job failed with status 1" in result.stdout, result.stdout[-3000:]
+        assert re.search(r"^restore check: the state restored from \S+ differs from the one saved there, first at "
+                         r"parameters/net\.", result.stdout, re.M), result.stdout[-3000:]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -197,6 +208,7 @@ def test_calibrated_chaos_judges_runs_with_nondeterministic_kernels(
     assert "two uninterrupted runs: train loss" in result.stdout, result.stdout[-6000:]
     if breaker is None:
         assert result.returncode == 0, result.stdout[-6000:]
+        assert "restore check: passed at 2 of 2 resumes" in result.stdout, result.stdout[-3000:]
         assert "within 4 x the spread of two uninterrupted runs" in result.stdout
     else:
         assert result.returncode == 1, result.stdout[-6000:]

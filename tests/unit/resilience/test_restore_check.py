@@ -4,6 +4,7 @@ loading bug)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,14 @@ def fit(
     return trainer
 
 
-def test_a_resume_that_restored_another_state_stops_before_its_first_step(tmp_path: Path) -> None:
+def test_a_resume_that_restored_another_state_stops_before_its_first_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     fit(tmp_path, 6)
     last = str(tmp_path / "last.ckpt")
-    assert fit(tmp_path / "ok", 9, ckpt_path=last).global_step == 9  # restored as saved: trains on
+    with caplog.at_level(logging.INFO):
+        assert fit(tmp_path / "ok", 9, ckpt_path=last).global_step == 9  # restored as saved: trains on
+    assert f"Restore check passed: the state restored from {last} is the one saved there (" in caplog.text
 
     with pytest.raises(RestoreMismatchError, match=r"differs from the one saved there, first at parameters/") as e:
         fit(tmp_path / "nudged", 9, NudgeBeforeTheCheck(), ckpt_path=last)
