@@ -30,6 +30,12 @@ def sampler_state(loader_state: dict[str, Any]) -> dict[str, Any]:
     return (_main_process_state(loader_state).get("_sampler_iter_state") or {}).get("sampler_state") or {}
 
 
+def loader_workers(loader_state: dict[str, Any]) -> int:
+    """The worker processes of the torchdata ``StatefulDataLoader`` whose state this is (0: none)."""
+    snapshot = loader_state.get("_snapshot")
+    return int((snapshot.get("_main_snapshot") or {}).get("_num_workers", 0)) if isinstance(snapshot, dict) else 0
+
+
 def worker_seed(loader_state: dict[str, Any]) -> int | None:
     """The seed every worker's RNGs start from (torch's ``base_seed + worker_id``, and Python's and numpy's derived
     from it) in a torchdata ``StatefulDataLoader`` state of a loader with workers; None without workers."""

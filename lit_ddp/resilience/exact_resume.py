@@ -33,7 +33,7 @@ class ExactResume(Callback):
     under ``"exact_resume"`` (one ``all_gather_object``; the checkpoint is still written by rank zero only). On
     resume:
 
-    - each rank's loader state replaces rank zero's in the restored fit loop;
+    - each rank's loader state is restored in place of rank zero's (which Lightning would load);
     - at ``on_train_start`` the rank's state is restored (:meth:`ResumeState.restore`, at one point, after
       Lightning's own restore and the ``on_train_start`` of the callbacks listed before this one);
     - then the restore check compares what was restored with the checkpoint, before the first step
@@ -123,9 +123,12 @@ class ExactResume(Callback):
         # restores rank r mod n's by design, see above).
         rng = self._state.rng if same_world_size else None
         self._promised = restore_check.promised(checkpoint, rng, tensors=restore_check.plain_tensors(pl_module))
-        fit_state = checkpoint.get("loops", {}).get("fit_loop")
-        if self._state.train_loaders and fit_state is not None:
-            fit_state["combined_loader"] = self._state.train_loaders
+        # The fit loop's own state: Lightning loads the train loaders' states it holds (rank zero's, on every rank)
+        # when it builds them, and fails on a loader with another number of workers. This rank's are restored at
+        # on_train_start instead (ResumeState.restore), where the live loaders can be checked against them.
+        loop_state = (checkpoint.get("loops", {}).get("fit_loop") or {}).get("state_dict")
+        if self._state.train_loaders and loop_state is not None:
+            loop_state["combined_loader"] = []
             self._saved_global_batch = state.get("global_batch")
         else:
             self._state.train_loaders = []

@@ -23,6 +23,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp import compat
+from lit_ddp.errors import UsageError
 from lit_ddp.resilience import restore_check
 
 
@@ -84,7 +85,13 @@ class ResumeState:
         batches remapped where the global batch differs from ``saved_global_batch`` (:func:`remap_epoch_progress`);
         then the metrics' running sums of an epoch that goes on; last the RNG states, after everything that draws
         from them while the loaders are built, so the next step draws what the uninterrupted run drew. Returns
-        whether the run resumed within an epoch that goes on."""
+        whether the run resumed within an epoch that goes on.
+
+        Raises:
+            UsageError: a train loader has another number of workers than the one whose position it would continue.
+        """
+        if trainer.fit_loop.restarted_mid_epoch:
+            check_loader_workers(trainer, self.train_loaders)
         mid_epoch, epoch_over = compat.restore_loop_position(trainer, self.train_loaders)
         one_loader = mid_epoch and len(self.train_loaders) == 1
         if one_loader and saved_global_batch is not None and saved_global_batch != global_batch(trainer):
@@ -95,6 +102,20 @@ class ResumeState:
         if self.rng is not None:
             restore_rng_states(self.rng, trainer.strategy.root_device, trainer.local_rank)
         return goes_on
+
+
+def check_loader_workers(trainer: Trainer, loader_states: list[dict[str, Any]]) -> None:
+    """Raises UsageError where a live train loader runs another number of worker processes than the one whose saved
+    state (``loader_states``) a mid-epoch resume would continue: torchdata's ``StatefulDataLoader`` loads a position
+    only into a loader with as many (else an ``AssertionError`` that Lightning's teardown hides)."""
+    for i, (loader, state) in enumerate(zip(compat.train_loaders(trainer), loader_states, strict=False)):
+        saved, live = compat.loader_workers(state), int(getattr(loader, "num_workers", 0) or 0)
+        if saved != live:
+            raise UsageError(
+                f"{trainer.ckpt_path} stopped mid-epoch with train loader {i} running {saved} worker processes per "
+                f"rank; this run's has {live} (data.init_args.num_workers): the loader continues its position only "
+                f"with as many: resume with num_workers {saved} (it may change at a checkpoint from an epoch's end)"
+            )
 
 
 def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_ddp.data.regression import RegressionDataModule
-from lit_ddp.errors import RestoreMismatchError
+from lit_ddp.errors import RestoreMismatchError, UsageError
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.restore_check import first_mismatch, promised
 from lit_ddp.tasks.regression import RegressionModule
@@ -97,6 +97,21 @@ def test_a_loader_with_workers_compares_its_position_and_its_workers_seed(tmp_pa
         fit(tmp_path / "reseeded", 9, ReseedLoaderWorkers(), ckpt_path=last, num_workers=2)
     with pytest.raises(RestoreMismatchError, match=r"first at loader0/consumed"):
         fit(tmp_path / "forgot", 9, ForgetLoaderPosition(keep_promise=True), ckpt_path=last, num_workers=2)
+
+
+@pytest.mark.parametrize(("saved", "live"), [(0, 2), (2, 0), (2, 3)])
+def test_a_mid_epoch_resume_with_another_number_of_workers_stops_with_one_message(
+    tmp_path: Path, saved: int, live: int
+) -> None:
+    """torchdata's StatefulDataLoader continues a position only with as many workers (else an AssertionError that
+    Lightning's teardown hides behind "Please call `iter(combined_loader)` first"): the run stops before its first
+    step, naming both numbers and the setting."""
+    fit(tmp_path, 6, num_workers=saved)
+    last = str(tmp_path / "last.ckpt")
+    message = rf"train loader 0 running {saved} worker processes per rank; this run's has {live} \(data.init_args"
+    with pytest.raises(UsageError, match=message):
+        fit(tmp_path / "changed", 9, ckpt_path=last, num_workers=live)
+    assert not list((tmp_path / "changed").glob("*.ckpt"))
 
 
 def test_another_world_size_compares_the_state_but_not_the_rng_streams() -> None:
