@@ -32,8 +32,7 @@ def sampler_state(loader_state: dict[str, Any]) -> dict[str, Any]:
 
 def loader_workers(loader_state: dict[str, Any]) -> int:
     """The worker processes of the torchdata ``StatefulDataLoader`` whose state this is (0: none)."""
-    snapshot = loader_state.get("_snapshot")
-    return int((snapshot.get("_main_snapshot") or {}).get("_num_workers", 0)) if isinstance(snapshot, dict) else 0
+    return int(_main_process_state(loader_state).get("_num_workers", 0))  # a state without workers has no count
 
 
 def worker_seed(loader_state: dict[str, Any]) -> int | None:
