@@ -1,11 +1,14 @@
-"""The ``lit-ddp`` command: LightningCLI with the tutorial's defaults.
+"""The ``lit-ddp`` command: LightningCLI with the tutorial's defaults and runs that survive kills, preemption and
+restarts.
 
     lit-ddp fit --config configs/trainer/ddp.yaml --config configs/mingpt/cpu.yaml
+    lit-ddp generate --ckpt_path runs/mingpt/cpu/checkpoints/last.ckpt --prompt "ROMEO:"
+    lit-ddp chaos --faults 2 -- --config configs/regression/single_device.yaml
 
 A config names a LightningModule (``model``, from :mod:`lit_ddp.tasks`), a LightningDataModule (``data``,
 from :mod:`lit_ddp.data`) and the ``trainer``; Lightning's Trainer starts one process per device, wraps the
-model in DDP and gives each rank its shard of the data. What makes a run survive kills, preemption and
-restarts is the base class, :class:`lit_ddp.resilience.ResilientCLI`; how failures are reported is
+model in DDP and gives each rank its shard of the data. The callbacks that make a run survive come from
+:mod:`lit_ddp.resilience`, the run directory's layout from :mod:`lit_ddp.run_dir`; how failures are reported is
 :func:`lit_ddp.launch.reporting.report`.
 """
 
@@ -13,20 +16,49 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+from jsonargparse import ArgumentParser, Namespace
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelSummary, ProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.callbacks import (
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    TQDMProgressBar,
+)
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp.callbacks.model_summary import MixedPrecisionModelSummary
 from lit_ddp.callbacks.text_samples import FitEndSample
-from lit_ddp.generate import generate_main
-from lit_ddp.launch.preflight import check_config_files
-from lit_ddp.launch.reporting import report, silence_library_noise
-from lit_ddp.resilience import ResilientCLI
+from lit_ddp.chaos.cli import chaos_main, chaos_parser
+from lit_ddp.generate import generate_main, generate_parser
+from lit_ddp.launch.environment import (
+    TorchrunEnvironment,
+    config_value,
+    follow_slurm_port,
+    follow_torchrun,
+    task_gpu_accelerator,
+)
+from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
+from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
+from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
+from lit_ddp.resilience.exact_resume import ExactResume
+from lit_ddp.resilience.finite_loss import FiniteLossGuard
+from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
+from lit_ddp.resilience.preemption import PreemptionCheckpoint
+from lit_ddp.resilience.resume import resolve_ckpt_path
+from lit_ddp.resilience.startup_timeout import StartupTimeout
+from lit_ddp.run_dir import layout
+from lit_ddp.run_dir.checkpoints import checkpoint_step
+from lit_ddp.run_dir.lock import hold_run_directory
 from lit_ddp.tasks.mingpt import GPTModule
 from lit_ddp.tensorboard import HParamsTensorBoardLogger
 
@@ -47,17 +79,65 @@ def set_float32_matmul_precision(configured: str | None, accelerator: Accelerato
     torch.set_float32_matmul_precision(configured)
 
 
-class LitDDPCLI(ResilientCLI):
+TOOLS: dict[str, tuple[Callable[[], ArgumentParser], Callable[[Namespace], int], str]] = {
+    "generate": (generate_parser, generate_main, "Text from a minGPT checkpoint, without the training data"),
+    "chaos": (chaos_parser, chaos_main, "Does your run survive faults exactly? Trains it with and without them"),
+}
+"""Subcommands beside Lightning's that run a tool and end, without a Trainer: their arguments' parser, their entry
+point (the parsed arguments in, the exit status out) and their help line."""
+
+
+class ToolExit(SystemExit):
+    """A tool subcommand (:data:`TOOLS`) has run: the command ends with its exit status, as after ``--help``."""
+
+
+class CLIParser(LightningArgumentParser):
+    """LightningCLI's parser, keeping the subcommands action it adds (jsonargparse's own reference to it is
+    private), so :data:`TOOLS` join ``fit``, ``validate``, ``test`` and ``predict`` in one parser."""
+
+    subcommands_action: Any = None
+
+    def add_subcommands(self, required: bool = True, dest: str = "subcommand", **kwargs: Any) -> Any:
+        self.subcommands_action = super().add_subcommands(required, dest, **kwargs)
+        return self.subcommands_action
+
+
+def checkpoint_dir(root_dir: str | None) -> str:
+    """``<root_dir>/checkpoints`` (``runs/default`` without one): where the checkpoint callback writes."""
+    return layout.checkpoint_dir(str(root_dir or layout.DEFAULT_ROOT))
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+
+
+class LitDDPCLI(LightningCLI):
     """LightningCLI with the project's defaults.
 
     - any LightningModule / LightningDataModule by ``class_path``; the seed defaults to 1337;
     - ``data.init_args.block_size`` is linked to ``model.init_args.block_size`` (the data decides it);
     - ``lr_monitor.*`` configures a LearningRateMonitor;
-    - the logger defaults to a TensorBoardLogger writing straight into ``trainer.default_root_dir`` (no
-      ``version_N`` folders), so a restart continues the same log; hyperparameters go into the event files
-      too (:class:`~lit_ddp.tensorboard.HParamsTensorBoardLogger`);
-    - ``fit`` ends by printing the best monitored value with its step and file, the last checkpoint and its
-      step, and a text sample (minGPT), drawn on the training device before Lightning's teardown
+    - ``checkpoint.*`` configures the checkpoint callback (:class:`PeriodicCheckpoint`, a ModelCheckpoint that
+      also takes ``every_n_train_steps`` and ``train_time_interval`` together) writing to
+      ``<trainer.default_root_dir>/checkpoints``; the tutorial's ``save_every`` is ``checkpoint.every_n_epochs``.
+      With no trigger set it saves every epoch (ModelCheckpoint's default); a trigger given alone
+      (``--checkpoint.every_n_train_steps 50``) is the only one;
+    - the run directory: ``trainer.default_root_dir``, else named after the config, and with ``LIT_DDP_RUN_ID``
+      set the job's own inside it (:func:`lit_ddp.run_dir.layout.run_directory`); ``fit`` holds it (one live job
+      per run directory) and, without ``--ckpt_path``, resumes from its newest valid checkpoint, the same on every
+      rank (:func:`lit_ddp.resilience.resume.resolve_ckpt_path`); ``validate`` / ``test`` evaluate that checkpoint;
+    - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank); ``startup.timeout``
+      bounds the start-up (rendezvous, resume, restore) apart from the collective timeout (:class:`StartupTimeout`);
+    - every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint`, and writes every checkpoint
+      atomically (:class:`AtomicCheckpointIO`) unless ``trainer.plugins`` names another ``CheckpointIO``;
+    - before anything is instantiated, the launch, the machine and ``--ckpt_path`` are checked
+      (:mod:`lit_ddp.launch.preflight`), and under torchrun the layout follows torchrun;
+    - the logger defaults to a TensorBoardLogger writing straight into the run directory (no ``version_N``
+      folders), so a restart continues the same log; hyperparameters go into the event files too
+      (:class:`~lit_ddp.tensorboard.HParamsTensorBoardLogger`);
+    - ``fit`` ends by printing the last validation's ``val/*`` values, the best monitored value with its step and
+      file (unless the monitor is ``step``: keep-the-newest), the last checkpoint and its step, and a text sample
+      (minGPT), drawn on the training device before Lightning's teardown
       (:class:`~lit_ddp.callbacks.text_samples.FitEndSample`);
     - ``float32_matmul_precision`` (``highest``, ``high``, ``medium``) is torch's for float32 matrix products; unset,
       ``high`` (TF32) on CUDA devices, torch's default elsewhere (:func:`set_float32_matmul_precision`);
@@ -70,11 +150,29 @@ class LitDDPCLI(ResilientCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("parser_class", CLIParser)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a restart rewrites config.yaml
+        # A NaN/inf loss stops training with a message naming the step; the last good checkpoint is kept.
+        # A preemption signal saves, requeues (Slurm) and stops at an agreed optimizer step, on every rank.
+        kwargs.setdefault("trainer_defaults", {"callbacks": [FiniteLossGuard(), PreemptionCheckpoint()]})
         self.fit_end_sample = FitEndSample()
         super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
 
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        subcommands = getattr(self.parser, "subcommands_action", None)
+        if add_subcommands and subcommands is not None:
+            for name, (make_parser, _, help) in TOOLS.items():
+                subcommands.add_subcommand(name, make_parser(), help=help)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        super().add_arguments_to_parser(parser)
+        parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": -1})
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
+        parser.add_lightning_class_args(ExactResume, "exact_resume")
+        parser.add_lightning_class_args(StartupTimeout, "startup")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         # Facts the data decides reach the model through links (skipped when a class lacks the argument).
@@ -87,20 +185,72 @@ class LitDDPCLI(ResilientCLI):
             "torch's default (highest) elsewhere",
         )
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand in TOOLS:  # before LightningCLI reads a checkpoint or builds a Trainer
+            raise ToolExit(TOOLS[subcommand][1](self.config[subcommand]))
+        # LightningCLI reads --ckpt_path's hyperparameters right after parsing: check the file first.
+        if subcommand:
+            config = self.config[subcommand]
+            if config.get("trainer") is not None:
+                self._place_run(config, sys.argv[1:] if args is None else args)
+            check_ckpt_path(config.get("ckpt_path"))
+            check_ckpt_matches_config(config.get("ckpt_path"), config.get("model"))
+
+    @staticmethod
+    def _place_run(config: Any, args: Any) -> None:
+        argv = args if isinstance(args, list | tuple) else []
+        root, why = layout.run_directory(
+            config.trainer.get("default_root_dir"),
+            config.get("config"),
+            config_value(config.get("model"), "class_path"),
+            root_on_command_line=any(str(a).split("=")[0] == "--trainer.default_root_dir" for a in argv),
+        )
+        if why:
+            config.trainer.default_root_dir = root
+            config.checkpoint.dirpath = checkpoint_dir(root)
+            rank_zero_info(f"Run directory: {root} ({why})")
+
+    def before_instantiate_classes(self) -> None:
+        # Mis-launches, devices / precision this machine cannot run, a busy MASTER_PORT: one clear message and
+        # exit 2 before anything starts.
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
+            rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
+        run_preflight(config.get("trainer"))
+        if change := follow_slurm_port():  # a port per job step, not Lightning's one per job
+            rank_zero_info(change)
+        if self.subcommand == "fit":  # one live job per run directory (rank zero holds it until it exits)
+            hold_run_directory(str(config.trainer.default_root_dir))
+
+    def option(self, config: Any, key: str, default: Any = None) -> Any:
+        """``key`` of the running subcommand's part of ``config`` (``self.config`` or ``self.config_init``), or
+        ``default``: what Lightning's private ``LightningCLI._get`` reads."""
+        return (config[self.subcommand] if self.subcommand else config).get(key, default)
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self.option(self.config_init, "trainer", default={})
+        plugins = _as_list(trainer_config.get("plugins"))
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())
+        if "TORCHELASTIC_RUN_ID" in os.environ and not any(isinstance(p, ClusterEnvironment) for p in plugins):
+            plugins.append(TorchrunEnvironment())  # nodes may run different numbers of processes
+        kwargs["plugins"] = plugins
+        if accelerator := task_gpu_accelerator(trainer_config.get("accelerator")):
+            kwargs["accelerator"] = accelerator  # srun bound one GPU to each task: cuda:0, not cuda:LOCAL_RANK
+            rank_zero_info("Slurm bound one GPU to each task (CUDA_VISIBLE_DEVICES): each trains on its cuda:0")
         logger = trainer_config.get("logger")
         if logger is None or logger is True:
             kwargs["logger"] = HParamsTensorBoardLogger(
-                save_dir=str(trainer_config["default_root_dir"]),  # ResilientCLI gives it a default
+                save_dir=str(trainer_config["default_root_dir"]),  # parse_arguments gives it a default
                 name="",
                 version="",
                 default_hp_metric=False,
             )
         # Lightning's default bar redraws after every step (about 0.5 ms of Python per step here, measured with
         # py-spy on a tiny model): every PROGRESS_BAR_REFRESH_STEPS steps is enough. A user's bar is kept.
-        callbacks = trainer_config.get("callbacks")
-        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
+        callbacks = _as_list(trainer_config.get("callbacks"))
         if trainer_config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in callbacks
         ):
@@ -117,29 +267,64 @@ class LitDDPCLI(ResilientCLI):
         set_float32_matmul_precision(self.option(self.config, "float32_matmul_precision"), trainer.accelerator)
         return trainer
 
+    def before_fit(self) -> None:
+        self._start_run(fit=True)
+
+    def before_validate(self) -> None:
+        self._start_run(fit=False)
+
+    def before_test(self) -> None:
+        self._start_run(fit=False)
+
+    def _start_run(self, fit: bool) -> None:
+        """Failures reported per rank from here on; the start-up timeout armed; the checkpoint to start from
+        (:func:`~lit_ddp.resilience.resume.resolve_ckpt_path`)."""
+        mark_running()
+        config = self.config_init[self.subcommand]
+        startup = config.get("startup")  # the trainer's callback, as LightningCLI made it
+        if isinstance(startup, StartupTimeout):
+            startup.arm(self.trainer)  # before the process group exists
+        if not fit:  # an evaluation restores the weights only: the fit callbacks' states do not concern it
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
+        else:  # a fit resumes from the run directory's checkpoints: that they exist is the design, not a mistake
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        given = config.get("ckpt_path")
+        config["ckpt_path"] = resolve_ckpt_path(self.trainer, None if given is None else str(given), fit=fit)
+
     def after_fit(self) -> None:
-        """Rank zero prints the best monitored value (unless the monitor is ``step``: keep-the-newest), its step and
-        file, the last checkpoint, and the text sample :class:`FitEndSample` drew when the model is a GPT."""
-        super().after_fit()  # the checkpoints: best monitored value, its step and file; the last one
-        if self.trainer.is_global_zero and self.fit_end_sample.text is not None:
+        """Rank zero prints the last validation's ``val/*`` values, the best monitored value (unless the monitor is
+        ``step``, which keeps the newest), its step and file, the last checkpoint with its step, and the text
+        sample :class:`FitEndSample` drew when the model is a GPT."""
+        if not self.trainer.is_global_zero:
+            return
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+        if metrics:  # none when the run had nothing left to train
+            print("last validation: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
+        ckpt = self.trainer.checkpoint_callback
+        if isinstance(ckpt, ModelCheckpoint):
+            if ckpt.monitor not in (None, "step") and ckpt.best_model_score is not None and ckpt.best_model_path:
+                best = ckpt.best_model_path
+                print(f"best {ckpt.monitor}: {float(ckpt.best_model_score):.4f} at global_step {checkpoint_step(best)}")
+                print(f"best checkpoint: {best}")
+            if ckpt.last_model_path:
+                last = ckpt.last_model_path
+                print(f"last checkpoint: {last} (global_step {checkpoint_step(last)})")
+        if self.fit_end_sample.text is not None:
             print(f"sample:\n{self.fit_end_sample.text}")
 
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
-    """Entry point of ``lit-ddp`` and ``python -m lit_ddp`` (``generate`` goes to :mod:`lit_ddp.generate`,
-    ``chaos`` to :mod:`lit_ddp.chaos.cli`).
+    """Entry point of ``lit-ddp`` and ``python -m lit_ddp``: the CLI after a Lightning subcommand, ``None`` after a
+    tool (:data:`TOOLS`) that succeeded.
 
     Args:
         args: command-line arguments without the program name; ``None`` reads ``sys.argv``.
+
+    Raises:
+        SystemExit: a bad use (status 2), a failure (see :func:`lit_ddp.launch.reporting.report`), a tool's non-zero
+            status.
     """
     argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] == "generate":
-        generate_main(argv[1:])
-        return None
-    if argv and argv[0] == "chaos":  # an operator's tool: imported only when asked for
-        from lit_ddp.chaos.cli import chaos_main
-
-        raise SystemExit(chaos_main(argv[1:]))
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     silence_library_noise()
 
@@ -148,7 +333,12 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
         # args=None lets LightningCLI read sys.argv itself (passing both makes it warn).
         return LitDDPCLI(args=None if args is None else argv)
 
-    return report(run)
+    try:
+        return report(run)
+    except ToolExit as done:
+        if done.code:
+            raise SystemExit(done.code) from None
+        return None
 
 
 def main() -> None:

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, Namespace
 
 from lit_ddp.data.char import decode, encode
+from lit_ddp.errors import UsageError
 from lit_ddp.models import kv_cache
 from lit_ddp.models.gpt import GPT
 from lit_ddp.run_dir import sharded
@@ -189,13 +190,23 @@ def generate(
         raise ValueError(f"--prompt {prompt!r}: {e}") from e
 
 
-def generate_main(argv: list[str]) -> None:
-    """``lit-ddp generate ARGS``: prints the generated text. Exits with code 2 on a usage error."""
-    parser = ArgumentParser(prog="lit-ddp generate", description=(generate.__doc__ or "").split("\n")[0])
+def generate_parser() -> ArgumentParser:
+    """The arguments of ``lit-ddp generate``, a subcommand of the ``lit-ddp`` parser
+    (:class:`lit_ddp.cli.LitDDPCLI`): :func:`generate`'s signature."""
+    parser = ArgumentParser(description=(generate.__doc__ or "").split("\n")[0])
     parser.add_function_arguments(generate, as_group=False)
-    cfg = parser.parse_args(argv)
+    return parser
+
+
+def generate_main(config: Namespace) -> int:
+    """``lit-ddp generate`` with its parsed arguments (:func:`generate_parser`): prints the text. Returns 0.
+
+    Raises:
+        UsageError: what :func:`generate` raises for its input (exit status 2).
+    """
     try:
-        text = generate(**cfg.as_dict())
+        text = generate(**config.as_dict())
     except (FileNotFoundError, ValueError) as e:
-        parser.error(str(e))
+        raise UsageError(str(e)) from None
     print(text)
+    return 0

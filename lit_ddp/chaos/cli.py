@@ -49,7 +49,6 @@ No library does this (torchft's injector checks convergence only), hence our cod
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 import shutil
@@ -58,6 +57,7 @@ import time
 from pathlib import Path
 
 import yaml
+from jsonargparse import ArgumentParser, Namespace
 
 from lit_ddp.chaos.calibrated import verdict
 from lit_ddp.chaos.compare import compare
@@ -88,41 +88,48 @@ def plan(seed: int, faults: int, kinds: list[str]) -> list[Fault]:
     return [Fault(order[i % len(order)], rng.random(), rng.random()) for i in range(faults)]
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Splits ``argv`` at ``--`` into the tool's options and the fit arguments.
-
-    Raises:
-        UsageError: no ``--`` or nothing after it, ``--faults`` below 1, a kind the launcher cannot inject,
-            ``--launcher slurm`` without ``sbatch`` or without a ``--config`` first.
-    """
-    if "--" not in argv or argv.index("--") == len(argv) - 1:
-        raise UsageError(
-            "lit-ddp chaos needs the run's fit arguments after `--`, e.g. `lit-ddp chaos --faults 2 -- --config "
-            "configs/regression/single_device.yaml --config configs/checkpoint/fault_tolerant.yaml`"
-        )
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="lit-ddp chaos", description=__doc__.split("\n\n")[0])
+def chaos_parser() -> ArgumentParser:
+    """The arguments of ``lit-ddp chaos``, a subcommand of the ``lit-ddp`` parser (:class:`lit_ddp.cli.LitDDPCLI`):
+    the tool's options, then ``--`` and the arguments of ``lit-ddp fit``."""
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launcher", choices=tuple(LAUNCHER_KINDS), default="single")
     parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun: processes; slurm: tasks per node")
     parser.add_argument("--nodes", "--nnodes", type=int, default=1, help="slurm: nodes; torchrun: agents here")
-    parser.add_argument("--max-restarts", type=int, default=None, help="torchrun's (default: --faults)")
+    parser.add_argument("--max-restarts", type=int | None, default=None, help="torchrun's (default: --faults)")
     parser.add_argument(
         "--sbatch", type=Path, default=SBATCH_SCRIPT, help=f"slurm: the script (default {SBATCH_SCRIPT})"
     )
     parser.add_argument("--faults", type=int, default=2, help="faults to inject (>= 1)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: kill term (slurm: usr1 node)")
-    parser.add_argument("--seed", type=int, default=None, help="replays a fault schedule (printed)")
-    parser.add_argument("--root", type=Path, default=None, help="run directories (default runs/chaos/<seed>)")
-    parser.add_argument("--reference", type=Path, default=None, help="a finished uninterrupted run to reuse")
+    parser.add_argument("--seed", type=int | None, default=None, help="replays a fault schedule (printed)")
+    parser.add_argument("--root", type=Path | None, default=None, help="run directories (default runs/chaos/<seed>)")
+    parser.add_argument("--reference", type=Path | None, default=None, help="a finished uninterrupted run to reuse")
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (0: bit for bit)")
     parser.add_argument(
-        "--calibrated", type=float, default=None, metavar="K",
+        "--calibrated", type=float | None, default=None, metavar="K",
         help="runs with nondeterministic kernels: a second uninterrupted run measures the spread, the faulted run "
         "must stay within K x it at every logged step (3 is the usual choice: a rerun falls outside it about 1 time in 500)",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each job may take")
-    args = parser.parse_args(argv[:split])
-    fit = argv[split + 1 :]
+    parser.add_argument("fit", nargs="*", default=[], help="after `--`: the arguments of lit-ddp fit")
+    return parser
+
+
+def check(args: Namespace) -> tuple[Namespace, list[str]]:
+    """The parsed ``lit-ddp chaos`` arguments with their defaults filled in, and the fit arguments.
+
+    Raises:
+        UsageError: no fit arguments, ``--faults`` below 1, a kind the launcher cannot inject, ``--launcher slurm``
+            without ``sbatch`` or without a ``--config`` first, a negative ``--rtol``, a ``--calibrated`` factor
+            that is not positive or comes with ``--rtol``, a ``--root`` that holds an earlier faulted run.
+    """
+    fit = list(args.fit)
+    fit = fit[1:] if fit[:1] == ["--"] else fit  # Python versions differ in whether argparse keeps the `--`
+    if not fit:
+        raise UsageError(
+            "lit-ddp chaos needs the run's fit arguments after `--`, e.g. `lit-ddp chaos --faults 2 -- --config "
+            "configs/regression/single_device.yaml --config configs/checkpoint/fault_tolerant.yaml`"
+        )
     if args.faults < 1:
         raise UsageError(f"--faults {args.faults}: give at least 1 (faults to inject into the run)")
     if args.nodes < 1 or (args.nodes > 1 and args.launcher == "single"):
@@ -297,13 +304,14 @@ def print_faults(faults: list[dict], resumed: list[int]) -> None:
         )
 
 
-def chaos_main(argv: list[str]) -> int:
-    """``lit-ddp chaos``: see the module docstring. Returns the exit status."""
-    try:
-        args, fit = parse(argv)
-    except UsageError as e:
-        print(f"lit-ddp: error: {e}", file=sys.stderr)
-        return UsageError.exit_code
+def chaos_main(config: Namespace) -> int:
+    """``lit-ddp chaos`` with its parsed arguments (:func:`chaos_parser`): see the module docstring. Returns the exit
+    status.
+
+    Raises:
+        UsageError: see :func:`check`.
+    """
+    args, fit = check(config)
     schedule = plan(args.seed, args.faults, args.kinds)
     print(f"lit-ddp chaos: seed {args.seed} (--seed {args.seed} replays it); run directories under {args.root}")
     print("schedule: " + ", ".join(f"{f.kind} (delay {f.delay:.2f}, target {f.target:.2f})" for f in schedule))
@@ -365,7 +373,7 @@ def chaos_main(argv: list[str]) -> int:
     return 1
 
 
-def calibrated_report(args: argparse.Namespace, reference: Path, resumed: list[int]) -> int:
+def calibrated_report(args: Namespace, reference: Path, resumed: list[int]) -> int:
     """The ``--calibrated`` verdict and its lines (:func:`lit_ddp.chaos.calibrated.verdict`); the exit status."""
     failure, lines = verdict(reference, args.root / "reference2", args.root / "faulted", args.calibrated, resumed)
     print("\n".join(lines))

@@ -3,7 +3,6 @@ kind reaches them."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -13,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from jsonargparse import Namespace
 
 from lit_ddp.run_dir import layout
 
@@ -76,7 +77,7 @@ def writer_of_temporary_checkpoint(root: Path, pids: list[int], deadline: float)
 class Job:
     """One run of the fit command under a launcher: started, polled, faulted, started again, its output kept."""
 
-    def __init__(self, args: argparse.Namespace, fit: list[str], root: Path, faulted: bool) -> None:
+    def __init__(self, args: Namespace, fit: list[str], root: Path, faulted: bool) -> None:
         self.args, self.root, self.name = args, root, "faulted" if faulted else "reference"
         extra = ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
         if faulted and "hang" in args.kinds:

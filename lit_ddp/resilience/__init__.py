@@ -1,5 +1,5 @@
-"""Everything that makes a run survive, behind one door: :class:`ResilientCLI`, the LightningCLI that
-``lit-ddp`` builds on.
+"""Everything that makes a run survive: callbacks, checkpoint IO and the resume point, which the ``lit-ddp``
+command (:class:`lit_ddp.cli.LitDDPCLI`) installs.
 
 - :mod:`~lit_ddp.resilience.checkpoint_io`: every save atomic, synchronous or in a background thread;
 - :mod:`~lit_ddp.resilience.resume`: the resume point, the newest valid checkpoint of the run directory
@@ -13,16 +13,3 @@
 
 The tutorial code (``models``, ``data``, ``tasks``) imports none of it.
 """
-
-from typing import Any
-
-__all__ = ["ResilientCLI"]
-
-
-def __getattr__(name: str) -> Any:
-    # Lazily: ``lit_ddp.__main__`` imports ``resilience.signals`` (standard library only) before Lightning.
-    if name == "ResilientCLI":
-        from lit_ddp.resilience.cli import ResilientCLI
-
-        return ResilientCLI
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_ddp import compat
 from lit_ddp.errors import NoValidCheckpointError, ResumePointError
-from lit_ddp.run_dir.checkpoints import checkpoint_header, checkpoint_step, is_valid_checkpoint, ranked_checkpoints
+from lit_ddp.run_dir import layout
+from lit_ddp.run_dir.checkpoints import (
+    checkpoint_header,
+    checkpoint_step,
+    is_valid_checkpoint,
+    ranked_checkpoints,
+    set_aside_later_checkpoints,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +147,34 @@ def resume_from_agreed_checkpoint(
         return path
 
     compat.install_resume_resolver(trainer, RESUME_AUTO, resolve)
+
+
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | None, fit: bool) -> str | None:
+    """The ``ckpt_path`` to hand Lightning: without one, :data:`RESUME_AUTO`, the run directory's newest valid
+    checkpoint, chosen once every rank has joined (``fit`` resumes it, ``validate`` / ``test`` evaluate it; a
+    warning says when there is none); Lightning's names (``last``, ``best``, ``hpc``, ``registry``) as given.
+
+    ``fit`` with a path is honoured once per job: its first attempt resumes from it and sets the run directory's
+    checkpoints of later steps aside (:func:`~lit_ddp.run_dir.checkpoints.set_aside_later_checkpoints`); a torchrun
+    restart or Slurm requeue of the same job resumes from what it saved since (the path while it saved nothing).
+    Collective: every rank must call it.
+
+    Raises:
+        NoValidCheckpointError: the run directory holds checkpoints and none has a readable header.
+    """
+    root = trainer.default_root_dir
+    if ckpt_path in ("last", "best", "hpc", "registry"):
+        return ckpt_path
+    if ckpt_path is not None and fit and restart_count() == 0:
+        if trainer.is_global_zero:  # a rollback: the newer files are abandoned
+            set_aside_later_checkpoints(root, layout.checkpoint_dir(root), str(ckpt_path))
+        trainer.strategy.barrier("lit_ddp_later_checkpoints_moved")
+        return ckpt_path
+    if ckpt_path is not None and not fit:
+        return ckpt_path
+    check_resumable(root, layout.checkpoint_dir(root))  # before the logger writes anything
+    resume_from_agreed_checkpoint(trainer, layout.checkpoint_dir(root), required=not fit, given=ckpt_path)
+    return RESUME_AUTO
 
 
 def restart_count(env: Mapping[str, str] | None = None) -> int:

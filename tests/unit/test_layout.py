@@ -80,15 +80,21 @@ def test_data_never_imports_tasks(path: Path) -> None:
         assert not name.startswith(("lit_ddp.tasks", "lit_ddp.callbacks")), f"{path.name}: {name}"
 
 
-def test_cli_reaches_the_machinery_through_one_door() -> None:
-    """cli.py takes the resilience layer as one class (ResilientCLI) and nothing else from it."""
-    tree = ast.parse((PACKAGE / "cli.py").read_text())
-    from_resilience = [
-        (node.module, [a.name for a in node.names])
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lit_ddp.resilience")
-    ]
-    assert from_resilience == [("lit_ddp.resilience", ["ResilientCLI"])]
+def test_the_command_is_one_cli_class() -> None:
+    """Every hook of the ``lit-ddp`` command is in one class, cli.py's ``LitDDPCLI``: no other class of the package
+    derives from LightningCLI (two classes that both override the same hooks split one concept)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    for path in MODULES:
+        importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"))
+
+    def subclasses(cls: type) -> list[type]:
+        return [s for sub in cls.__subclasses__() for s in (sub, *subclasses(sub))]
+
+    ours = sorted(
+        f"{c.__module__}.{c.__qualname__}" for c in subclasses(LightningCLI) if c.__module__.startswith("lit_ddp")
+    )
+    assert ours == ["lit_ddp.cli.LitDDPCLI"]
 
 
 def private_accesses(path: Path) -> list[str]:
@@ -242,7 +248,7 @@ def test_the_errors_and_compat_import_nothing_of_the_package() -> None:
 
 
 def test_tools_users_run_are_imported_by_nobody() -> None:
-    """``chaos`` sits on top: only the ``lit-ddp`` command (:mod:`lit_ddp.cli`) reaches it, when asked for."""
+    """``chaos`` sits on top: only the ``lit-ddp`` command (:mod:`lit_ddp.cli`) reaches it, as a subcommand."""
     assert {node for node, targets in import_graph().items() if "lit_ddp.chaos" in targets} == {"lit_ddp.cli"}
 
 

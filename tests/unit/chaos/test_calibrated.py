@@ -10,9 +10,8 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from lit_ddp.chaos.calibrated import state_distance, verdict
-from lit_ddp.chaos.cli import parse
 from lit_ddp.chaos.sketch import SKETCH_DIR
-from lit_ddp.errors import UsageError
+from lit_ddp.cli import cli_main
 
 
 def sample(step: int, scale: float = 1.0) -> torch.Tensor:
@@ -123,8 +122,16 @@ def test_state_distance() -> None:
     assert state_distance(a, {"v": a["w"]}) == float("inf")
 
 
-def test_calibrated_needs_a_positive_factor_and_no_rtol() -> None:
-    with pytest.raises(UsageError, match="--calibrated 0.0: give a factor > 0"):
-        parse(["--calibrated", "0", "--", "--config", "x.yaml"])
-    with pytest.raises(UsageError, match="without --rtol"):
-        parse(["--calibrated", "3", "--rtol", "1e-3", "--", "--config", "x.yaml"])
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["--calibrated", "0"], "--calibrated 0.0: give a factor > 0"),
+        (["--calibrated", "3", "--rtol", "1e-3"], "without --rtol"),
+    ],
+)
+def test_calibrated_needs_a_positive_factor_and_no_rtol(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["chaos", *argv, "--", "--config", "x.yaml"])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err

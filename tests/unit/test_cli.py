@@ -1,5 +1,5 @@
-"""lit_ddp.resilience.cli: ResilientCLI writes checkpoints atomically by default (:class:`AtomicCheckpointIO`)
-and keeps a ``CheckpointIO`` that ``trainer.plugins`` names."""
+"""lit_ddp.cli: the one CLI class writes checkpoints atomically by default (:class:`AtomicCheckpointIO`) and keeps a
+``CheckpointIO`` that ``trainer.plugins`` names; it places, holds and resumes the run directory."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_configs_without_a_run_directory_get_their_own(tmp_path: Path, monkeypat
     again; a fragment composed after the step config does not rename it."""
     import yaml
 
-    from lit_ddp.resilience.cli import default_run_directory
+    from lit_ddp.run_dir.layout import default_run_directory
 
     monkeypatch.chdir(tmp_path)
     step = yaml.safe_load((REPO / "configs/regression/single_device.yaml").read_text())
