@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import pickle
 import posixpath
 import time
@@ -72,16 +73,34 @@ class _HeaderUnpickler(pickle.Unpickler):
         return None
 
 
+HEADERS_KEPT = 64
+"""How many checkpoint headers a process keeps (a few KB each): a resume reads every one of the run directory's
+several times (ranking, choosing, the hyperparameter check)."""
+_headers: collections.OrderedDict[tuple[str, str], dict[str, Any]] = collections.OrderedDict()
+
+
 def checkpoint_header(path: str) -> dict[str, Any]:
     """A checkpoint's dictionary without its tensors (they are ``None``), reading only its ``data.pkl``
-    record (a few KB), locally or through fsspec, and running no code from the file. For a sharded checkpoint's
-    directory, that of its ``meta.pt`` (all but the parameters and optimizer states).
+        record (a few KB), locally or through fsspec, and running no code from the file. For a sharded checkpoint's
+        directory, that of its ``meta.pt`` (all but the parameters and optimizer states).
 
-    Raises:
-        ValueError: not a readable torch checkpoint.
+        Each file is read once per process while it stays the same: a later call returns a copy of the first read
+        unless fsspec's ``ukey`` of the file (its size, times and inode locally, its ETag on an object store) has
+        changed, as an atomic replace (a new inode) or a rewrite changes it. (A rewrite in place that keeps the size and
+    ends within the same tick of the file system's clock as the previous write, a few ms, would not be seen: lit-ddp's
+    writes are atomic replaces.)
+
+        Raises:
+            ValueError: not a readable torch checkpoint.
     """
+    meta = sharded.meta_path(path)
     try:
-        with fsspec.open(sharded.meta_path(path), "rb") as f, zipfile.ZipFile(f) as zf:
+        fs, local = url_to_fs(meta)
+        key = (meta, fs.ukey(local))
+        if key in _headers:
+            _headers.move_to_end(key)
+            return copy.deepcopy(_headers[key])
+        with fs.open(local, "rb") as f, zipfile.ZipFile(f) as zf:
             name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if name is None:
                 raise ValueError(f"{path} has no data.pkl")
@@ -91,6 +110,9 @@ def checkpoint_header(path: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a checkpoint dictionary")
+    _headers[key] = copy.deepcopy(data)
+    while len(_headers) > HEADERS_KEPT:
+        _headers.popitem(last=False)
     return data
 
 

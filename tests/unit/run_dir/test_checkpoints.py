@@ -1,11 +1,69 @@
-"""lit_ddp.run_dir.checkpoints: pruning the run directory's preemption checkpoints (their listing, ranking and
-headers are tested through the resume point: ``tests/unit/resilience/test_resume.py``)."""
+"""lit_ddp.run_dir.checkpoints: headers read once per file, pruning the run directory's preemption checkpoints
+(their listing and ranking are tested through the resume point: ``tests/unit/resilience/test_resume.py``)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from lit_ddp.run_dir.checkpoints import remove_older_hpc_checkpoints
+import pytest
+import torch
+
+from lit_ddp.resilience.resume import check_resumable, find_resume_checkpoint, warn_changed_hyperparameters
+from lit_ddp.run_dir import checkpoints
+from lit_ddp.run_dir.checkpoints import checkpoint_header, checkpoint_step, remove_older_hpc_checkpoints
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per header actually read from a file (the cache emptied first)."""
+    monkeypatch.setattr(checkpoints, "_headers", type(checkpoints._headers)())
+    count: list[int] = []
+    load = checkpoints._HeaderUnpickler.load
+
+    def counted(self: checkpoints._HeaderUnpickler) -> object:
+        count.append(1)
+        return load(self)
+
+    monkeypatch.setattr(checkpoints._HeaderUnpickler, "load", counted)
+    return count
+
+
+def save(path: Path, step: int, note: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hparams = {"lr": 0.1, "note": note}
+    torch.save({"global_step": step, "state_dict": {"w": torch.zeros(2)}, "hyper_parameters": hparams}, path)
+    return path
+
+
+def test_a_resume_reads_each_header_once(tmp_path: Path, reads: list[int]) -> None:
+    """Ranking the run directory's checkpoints, choosing the resume point and comparing its hyperparameters read
+    each file's header once, where each read them all again."""
+    for step in (10, 20, 30):
+        save(tmp_path / "checkpoints" / f"epoch=0-step={step}.ckpt", step)
+    save(tmp_path / "checkpoints" / "last.ckpt", 30)
+    check_resumable(str(tmp_path))
+    path = find_resume_checkpoint(str(tmp_path))
+    assert path is not None and path.endswith("last.ckpt")
+    assert checkpoint_step(path) == 30
+    assert warn_changed_hyperparameters(path, {"lr": 0.1}) == []
+    assert len(reads) == 4
+
+
+def test_a_changed_file_is_read_again(tmp_path: Path, reads: list[int]) -> None:
+    """An atomic replace (a new file renamed over the old) and a rewrite in place are both read afresh; what a caller
+    does to the returned dictionary stays out of the next call's."""
+    path = save(tmp_path / "last.ckpt", 1)
+    header = checkpoint_header(str(path))
+    header["global_step"] = 99
+    assert checkpoint_step(str(path)) == 1 and len(reads) == 1
+    os.replace(save(tmp_path / "tmp.ckpt", 2), path)
+    assert checkpoint_step(str(path)) == 2 and len(reads) == 2
+    save(path, 3, note="rewritten")  # another size: within one tick of the file system's clock, times may not change
+    assert checkpoint_step(str(path)) == 3 and len(reads) == 3
+    path.unlink()
+    with pytest.raises(ValueError, match="is not a readable checkpoint"):
+        checkpoint_header(str(path))
 
 
 def test_a_preemption_checkpoint_removes_the_older_ones(tmp_path: Path) -> None:
