@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp import compat
 from lit_ddp.resilience import restore_check
-from lit_ddp.resilience.resume_report import (
+from lit_ddp.resilience.resume import (
     reached_its_end,
     report_resume,
     training_settings,
@@ -51,9 +51,9 @@ class ExactResume(Callback):
     inside a step (dropout) differ from an uninterrupted run's; the metrics' running sums start afresh.
 
     Every resume (automatic, ``--ckpt_path``, a restart) says where it continues, or that the run had already
-    finished (:func:`lit_ddp.resilience.resume_report.report_resume`), and compares the optimizers' and LR
+    finished (:func:`lit_ddp.resilience.resume.report_resume`), and compares the optimizers' and LR
     schedulers' settings as the config built them with those the checkpoint restored, and warns about each that
-    differs (:func:`lit_ddp.resilience.resume_report.warn_restored_settings`).
+    differs (:func:`lit_ddp.resilience.resume.warn_restored_settings`).
 
     Args:
         purge_tensorboard: write TensorBoard's purge marker on resume (see above).
