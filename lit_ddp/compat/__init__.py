@@ -1,5 +1,6 @@
-"""Every use of Lightning's and torch's private internals, in one place: ``lightning.py`` (with
-``lightning_strategies.py``) and ``torch.py``, by library, re-exported here (``from lit_ddp import compat; compat.should_accumulate(trainer)``).
+"""Every use of Lightning's and torch's private internals, in one place: ``lightning.py`` (every read or write of
+another object's private attribute), ``lightning_names.py`` (Lightning's private functions and methods) and
+``torch.py`` (torch's private functions), re-exported here (``from lit_ddp import compat; compat.should_accumulate(trainer)``).
 
 Each function names what it works around (an upstream issue or PR where there is one); a workaround of a bug states
 the torch or Lightning versions known to have it and turns itself off where a version has fixed it (by a version
@@ -18,26 +19,25 @@ from lit_ddp.compat.lightning import (
     after_lightning_signal_handlers,
     batches_that_stepped,
     checkpoint_state_key,
-    collect_rng_states,
-    compute_dtype,
     default_hp_metric,
     disable_sigterm_broadcast,
+    exit_now,
     fix_last_batch_restart,
     flatten_hparams,
     hpc_save_path,
     install_resume_resolver,
-    is_object_storage,
     last_saved_step,
     log_metrics,
     pending_train_step_log,
-    restore_loop_position,
+    rekey_optimizer_states_by_groups,
     restore_train_loaders,
     save_last_checkpoint,
     set_batches_that_stepped,
-    set_rng_states,
+    set_model_parallel_sizes,
+    set_strategy_timeout,
     should_accumulate,
     should_update_logs,
-    show_resumed_epoch,
+    tensorboard_file_writer,
     tensorboard_hparams,
     train_loader_states,
     train_loaders,
@@ -45,25 +45,26 @@ from lit_ddp.compat.lightning import (
     validation_due,
     wait_for_async_writes,
 )
-from lit_ddp.compat.lightning_strategies import (
+from lit_ddp.compat.lightning_names import (
     DDPOnTheTrainingStream,
-    rekey_optimizer_states_by_groups,
-    set_model_parallel_sizes,
-    set_strategy_timeout,
+    collect_rng_states,
+    compute_dtype,
+    is_object_storage,
+    restore_loop_position,
+    set_rng_states,
+    show_resumed_epoch,
     strategy_timeout,
     threads_like_rank_zero,
 )
 from lit_ddp.compat.torch import (
     dcp_storage_extents,
     default_store,
-    exit_now,
     is_strided_shard,
     loader_workers,
     sampler_state,
     set_process_group_timeout,
     strided_rows_survive_linear,
     strided_shard,
-    tensorboard_file_writer,
     worker_seed,
 )
 

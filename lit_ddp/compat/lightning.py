@@ -1,5 +1,7 @@
-"""Lightning's private internals that the package uses: its loops' positions and restart counts, its connectors,
-callbacks' private state, and the bugs of Lightning 2.6 this package mends.
+"""Every read or write of another object's private attribute in the package, here and nowhere else: Lightning's
+loops' positions and restart counts, its connectors, callbacks' and strategies' private state, and the bugs of
+Lightning 2.6 this package mends; torch's two (``os._exit``, ``SummaryWriter``'s file writer). Lightning's private
+functions and methods are in :mod:`lit_ddp.compat.lightning_names`, torch's in :mod:`lit_ddp.compat.torch`.
 
 Lightning 2.6 has no public API for these; each function names what it works around (an upstream issue or PR
 where there is one). A workaround of a bug states the versions known to have it and is off on any other (its
@@ -10,13 +12,16 @@ on any version whether each bug is still there. Private names are imported where
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, cast
 
+from lightning.fabric.strategies import model_parallel as lightning_model_parallel
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_ddp.compat.imports import lightning_minor, private
@@ -49,13 +54,6 @@ def log_metrics(trainer: Trainer, metrics: dict[str, Any], step: int | None = No
     the global step), and into ``trainer.logged_metrics``. ``LightningModule.log`` cannot be called from a
     callback's batch-end hook of another stage, and the loggers' own ``log_metrics`` skips ``logged_metrics``."""
     trainer._logger_connector.log_metrics(metrics, step=step)
-
-
-def compute_dtype(trainer: Trainer) -> Any:
-    """The dtype the trainer's precision plugin computes matrix products in (bf16 under ``bf16-mixed``), as Lightning's
-    ThroughputMonitor picks its peak FLOP/s by; Lightning keeps the mapping private."""
-    plugin_dtype = private("lightning.pytorch.callbacks.throughput_monitor", "_plugin_to_compute_dtype")
-    return plugin_dtype(trainer.precision_plugin)
 
 
 def pending_train_step_log(trainer: Trainer) -> tuple[int, dict[str, float]] | None:
@@ -172,29 +170,6 @@ def after_lightning_signal_handlers(trainer: Trainer, install: Callable[[], None
     connector.register_signal_handlers = register_then_install  # an instance attribute over the method
 
 
-def show_resumed_epoch(trainer: Trainer, batch_idx: int) -> None:
-    """Give the progress bar of an epoch resumed mid-way its epoch, total and ETA, starting at ``batch_idx``.
-
-    Lightning from 2.5 (2.6.6 measured) skips ``on_train_epoch_start`` when it resumes mid-epoch, and that hook is where
-    ``TQDMProgressBar`` sets the epoch's total and description, so the resumed epoch shows ``Training: | 160/?``
-    without an ETA (Lightning-AI/pytorch-lightning#20603; fix proposed in #21806). Call it at the resumed
-    epoch's first batch; it does nothing where the hook ran (the bar has a total) or another bar is used. The
-    bar starts at ``batch_idx``, so its rate and ETA count this run's batches only.
-    """
-    callback = trainer.progress_bar_callback
-    if not isinstance(callback, TQDMProgressBar) or callback.is_disabled:
-        return
-    bar = callback.train_progress_bar
-    if bar.total is not None:
-        return
-    total = callback.total_train_batches  # by max_steps: the steps left, as if the epoch began at this batch
-    if trainer.max_epochs == -1 and trainer.max_steps > 0:
-        total = min(trainer.num_training_batches, batch_idx + total)
-    bar.reset(total=convert_inf(total))
-    bar.initial = bar.n = batch_idx
-    bar.set_description(f"Epoch {trainer.current_epoch}")
-
-
 # ---- train loader state per rank (Lightning restores rank zero's on every rank)
 
 
@@ -232,34 +207,7 @@ def restore_train_loaders(trainer: Trainer, states: list[dict[str, Any]], epoch:
     return True
 
 
-def restore_loop_position(trainer: Trainer, loader_states: list[dict[str, Any]]) -> tuple[bool, bool]:
-    """Puts the fit loop where the checkpoint left it, at ``on_train_start`` of a resume (a fresh fit is left as it
-    is): :func:`fix_last_batch_restart`, then on a mid-epoch restart the train loaders rebuilt from this rank's
-    ``loader_states`` (:func:`restore_train_loaders`; none: Lightning's restore stands), then
-    :func:`undo_epoch_end_recount`. The one call through which a resume reaches the loops' private state.
-    Returns ``(mid_epoch, epoch_over)``: whether Lightning restarted mid-epoch, and whether that epoch had ended
-    (the checkpoint was written after its last batch)."""
-    fit_loop = trainer.fit_loop
-    mid_epoch = fit_loop.restarted_mid_epoch
-    epoch_over = fix_last_batch_restart(trainer)
-    if loader_states and mid_epoch:
-        # Lightning annotates `current` as a _ReadyCompletedTracker; the fit loop's is a _ProcessedTracker.
-        restore_train_loaders(trainer, loader_states, fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
-    undo_epoch_end_recount(trainer)
-    return mid_epoch, epoch_over
-
-
 # ---- RNG states (Lightning's helpers are private functions)
-
-
-def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
-    """torch, numpy, Python (and CUDA) RNG states of this process: Lightning's ``_collect_rng_states``."""
-    return private("lightning.fabric.utilities.seed", "_collect_rng_states")(include_cuda=include_cuda)
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Restores what :func:`collect_rng_states` returned: Lightning's ``_set_rng_states``."""
-    private("lightning.fabric.utilities.seed", "_set_rng_states")(states)
 
 
 # ---- checkpoints
@@ -319,11 +267,6 @@ def wait_for_async_writes(checkpoint_io: Any) -> None:
         raise checkpoint_io._error
 
 
-def is_object_storage(fs: Any) -> bool:
-    """Whether an fsspec filesystem is an object store (s3, gs, az...): Lightning's own test."""
-    return bool(private("lightning.fabric.utilities.cloud_io", "_is_object_storage")(fs))
-
-
 # ---- loggers
 
 
@@ -342,3 +285,63 @@ def tensorboard_hparams(logger: TensorBoardLogger, params: Any) -> dict[str, Any
 def default_hp_metric(logger: TensorBoardLogger) -> bool:
     """The logger's ``default_hp_metric`` argument (kept private by ``TensorBoardLogger``)."""
     return bool(logger._default_hp_metric)
+
+
+# ---- strategies
+
+
+def set_strategy_timeout(strategy: Any, timeout: timedelta) -> None:
+    """Makes the strategy create its process group with ``timeout`` (before ``setup_environment``); Lightning
+    takes one timeout, for the rendezvous and every collective alike."""
+    strategy._timeout = timeout
+
+
+def set_model_parallel_sizes(strategy: Any, data_parallel_size: int, tensor_parallel_size: int) -> None:
+    """Gives a ``ModelParallelStrategy`` its mesh sizes before ``setup_environment`` builds the mesh: its "auto"
+    data-parallel size is ``num_nodes`` (tensor parallel within a node), where FSDP2 alone wants every process,
+    and the world size is known only once the Trainer has set the devices (no public setter)."""
+    strategy._data_parallel_size = data_parallel_size
+    strategy._tensor_parallel_size = tensor_parallel_size
+
+
+@contextmanager
+def rekey_optimizer_states_by_groups(model: Any, optimizers: list[Any]) -> Iterator[None]:
+    """While it lasts, ``ModelParallelStrategy`` reads a single-file checkpoint's numbered optimizer states (DDP's)
+    in the order of ``optimizers``' groups, as torch numbers them. A bug: Lightning's private
+    ``_rekey_optimizer_state_if_needed`` numbers ``model.parameters()`` (``FSDP.rekey_optim_state_dict``,
+    pytorch#113673): groups in another order (decay / no-decay, Muon + AdamW) get other parameters' state.
+    Measured on Lightning 2.6.6; Lightning's own function stays on another minor
+    (:data:`LIGHTNING_REKEYS_BY_MODEL_ORDER`)."""
+    if not LIGHTNING_REKEYS_BY_MODEL_ORDER:
+        yield
+        return
+    names = {param: name for name, param in model.named_parameters()}
+    pending, original = list(optimizers), lightning_model_parallel._rekey_optimizer_state_if_needed
+
+    def rekey(optimizer_state_dict: dict[str, Any], module: Any) -> dict[str, Any]:
+        order = [names[p] for group in pending.pop(0).param_groups for p in group["params"]]
+        state, groups = optimizer_state_dict["state"], optimizer_state_dict["param_groups"]
+        if not all(isinstance(i, int) for i in state):
+            return optimizer_state_dict  # named already (FSDP2's own single-file checkpoints)
+        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in groups]
+        return {"state": {order[i]: s for i, s in state.items()}, "param_groups": groups}
+
+    lightning_model_parallel._rekey_optimizer_state_if_needed = rekey
+    try:
+        yield
+    finally:
+        lightning_model_parallel._rekey_optimizer_state_if_needed = original
+
+
+# ---- torch
+
+
+def exit_now(code: int) -> None:
+    """Ends the process at once (``os._exit``), without cleanup that would wait on a dead peer's collectives."""
+    os._exit(code)
+
+
+def tensorboard_file_writer(summary_writer: Any) -> Any:
+    """The ``FileWriter`` behind torch's ``SummaryWriter``, for events it has no method for (an HParams summary
+    without values, a ``SessionLog.START`` purge marker)."""
+    return summary_writer._get_file_writer()

@@ -7,7 +7,6 @@ version has one (``torch.distributed.set_timeout`` from 2.14).
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -66,11 +65,6 @@ def set_process_group_timeout(timeout: timedelta) -> None:
         set_timeout(timeout)
 
 
-def exit_now(code: int) -> None:
-    """Ends the process at once (``os._exit``), without cleanup that would wait on a dead peer's collectives."""
-    os._exit(code)
-
-
 def dcp_storage_extents(metadata: Any) -> dict[str, int]:
     """The bytes each storage file of a Distributed Checkpoint must hold at least: its entries' ``offset + length``
     (DCP's ``Metadata.storage_data`` maps each tensor to a private ``_StorageInfo``), by file name."""
@@ -116,9 +110,3 @@ def strided_rows_survive_linear(mesh: Any) -> bool:
     x = on_mesh(torch.zeros(1, 1, device=mesh.device_type), Replicate())
     out: Any = torch.nn.functional.linear(x, weight, bias)  # a DTensor
     return is_strided_shard(out.placements[-1])
-
-
-def tensorboard_file_writer(summary_writer: Any) -> Any:
-    """The ``FileWriter`` behind torch's ``SummaryWriter``, for events it has no method for (an HParams summary
-    without values, a ``SessionLog.START`` purge marker)."""
-    return summary_writer._get_file_writer()
