@@ -19,6 +19,7 @@ from lit_ddp.compat.lightning import (
     after_lightning_signal_handlers,
     batches_that_stepped,
     checkpoint_state_key,
+    collect_rng_states,
     default_hp_metric,
     disable_sigterm_broadcast,
     exit_now,
@@ -34,6 +35,7 @@ from lit_ddp.compat.lightning import (
     save_last_checkpoint,
     set_batches_that_stepped,
     set_model_parallel_sizes,
+    set_rng_states,
     set_strategy_timeout,
     should_accumulate,
     should_update_logs,
@@ -47,11 +49,9 @@ from lit_ddp.compat.lightning import (
 )
 from lit_ddp.compat.lightning_names import (
     DDPOnTheTrainingStream,
-    collect_rng_states,
     compute_dtype,
     is_object_storage,
     restore_loop_position,
-    set_rng_states,
     show_resumed_epoch,
     strategy_timeout,
     threads_like_rank_zero,

@@ -1,7 +1,8 @@
 """Every read or write of another object's private attribute in the package, here and nowhere else: Lightning's
 loops' positions and restart counts, its connectors, callbacks' and strategies' private state, and the bugs of
-Lightning 2.6 this package mends; torch's two (``os._exit``, ``SummaryWriter``'s file writer). Lightning's private
-functions and methods are in :mod:`lit_ddp.compat.lightning_names`, torch's in :mod:`lit_ddp.compat.torch`.
+Lightning 2.6 this package mends; torch's two (``os._exit``, ``SummaryWriter``'s file writer); Lightning's RNG
+helpers. Lightning's other private functions and methods are in :mod:`lit_ddp.compat.lightning_names`, torch's in
+:mod:`lit_ddp.compat.torch`.
 
 Lightning 2.6 has no public API for these; each function names what it works around (an upstream issue or PR
 where there is one). A workaround of a bug states the versions known to have it and is off on any other (its
@@ -285,6 +286,19 @@ def tensorboard_hparams(logger: TensorBoardLogger, params: Any) -> dict[str, Any
 def default_hp_metric(logger: TensorBoardLogger) -> bool:
     """The logger's ``default_hp_metric`` argument (kept private by ``TensorBoardLogger``)."""
     return bool(logger._default_hp_metric)
+
+
+# ---- RNG states (Lightning's helpers are private functions)
+
+
+def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
+    """torch, numpy, Python (and CUDA) RNG states of this process: Lightning's ``_collect_rng_states``."""
+    return private("lightning.fabric.utilities.seed", "_collect_rng_states")(include_cuda=include_cuda)
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restores what :func:`collect_rng_states` returned: Lightning's ``_set_rng_states``."""
+    private("lightning.fabric.utilities.seed", "_set_rng_states")(states)
 
 
 # ---- strategies

@@ -1,7 +1,7 @@
 """Lightning's private functions and methods that the package uses, and what it composes from the private
 attributes (:mod:`lit_ddp.compat.lightning`, which also states the conventions): strategies' timeouts, threads
-and how ``DDPStrategy`` wraps the model; the loop position a resume restores; the precision plugin's dtype; RNG
-states; object stores."""
+and how ``DDPStrategy`` wraps the model; the loop position a resume restores; the precision plugin's dtype; object
+stores."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class DDPOnTheTrainingStream(DDPStrategy):
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
 
-# ---- the loops, the precision plugin, RNG states and file systems
+# ---- the loops, the precision plugin and file systems
 
 
 def compute_dtype(trainer: Trainer) -> Any:
@@ -106,16 +106,6 @@ def restore_loop_position(trainer: Trainer, loader_states: list[dict[str, Any]])
         restore_train_loaders(trainer, loader_states, fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
     undo_epoch_end_recount(trainer)
     return mid_epoch, epoch_over
-
-
-def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
-    """torch, numpy, Python (and CUDA) RNG states of this process: Lightning's ``_collect_rng_states``."""
-    return private("lightning.fabric.utilities.seed", "_collect_rng_states")(include_cuda=include_cuda)
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Restores what :func:`collect_rng_states` returned: Lightning's ``_set_rng_states``."""
-    private("lightning.fabric.utilities.seed", "_set_rng_states")(states)
 
 
 def is_object_storage(fs: Any) -> bool:
