@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import (
     ProgressBar,
     TQDMProgressBar,
 )
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ddp.callbacks.model_summary import MixedPrecisionModelSummary
@@ -56,7 +56,8 @@ from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
 from lit_ddp.resilience.preemption import PreemptionCheckpoint
 from lit_ddp.resilience.resume import resolve_ckpt_path
 from lit_ddp.resilience.startup_timeout import StartupTimeout
-from lit_ddp.run_dir import layout
+from lit_ddp.run_dir import layout, untrusted
+from lit_ddp.run_dir.atomic import write_atomic
 from lit_ddp.run_dir.checkpoints import checkpoint_step
 from lit_ddp.run_dir.lock import hold_run_directory
 from lit_ddp.tasks.mingpt import GPTModule
@@ -152,6 +153,7 @@ class LitDDPCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("parser_class", CLIParser)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a restart rewrites config.yaml
+        kwargs.setdefault("save_config_callback", AtomicSaveConfig)
         # A NaN/inf loss stops training with a message naming the step; the last good checkpoint is kept.
         # A preemption signal saves, requeues (Slurm) and stops at an agreed optimizer step, on every rank.
         kwargs.setdefault("trainer_defaults", {"callbacks": [FiniteLossGuard(), PreemptionCheckpoint()]})
@@ -195,6 +197,12 @@ class LitDDPCLI(LightningCLI):
             config = self.config[subcommand]
             if config.get("trainer") is not None:
                 self._place_run(config, sys.argv[1:] if args is None else args)
+            if config.get("weights_only") is False:
+                raise untrusted.UntrustedFileError(
+                    "--weights_only false: lit-ddp loads checkpoints weights-only (tensors and plain data), whatever "
+                    "their source (docs/security.md); a checkpoint you trust that holds other objects: load it with "
+                    "torch.load(weights_only=False) yourself and save what it holds as tensors"
+                )
             check_ckpt_path(config.get("ckpt_path"))
             check_ckpt_matches_config(config.get("ckpt_path"), config.get("model"))
 
@@ -313,6 +321,25 @@ class LitDDPCLI(LightningCLI):
             print(f"sample:\n{self.fit_end_sample.text}")
 
 
+class AtomicSaveConfig(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` of the run, written by an atomic replace (a kill mid-write leaves the previous
+    one) and never through a symbolic link (jsonargparse opens the path for writing). Always overwritten (a restart
+    rewrites it), as one file."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.already_saved:
+            return
+        log_dir = trainer.log_dir  # a broadcast: every rank
+        if self.save_to_log_dir and log_dir is not None and trainer.is_global_zero:
+            path = os.path.join(log_dir, self.config_filename)
+            untrusted.refuse_symlink(path, "run's config file")
+            write_atomic(path, self.parser.dump(self.config, skip_none=False).encode())
+        if trainer.is_global_zero:
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
     """Entry point of ``lit-ddp`` and ``python -m lit_ddp``: the CLI after a Lightning subcommand, ``None`` after a
     tool (:data:`TOOLS`) that succeeded.
@@ -325,6 +352,7 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
             status.
     """
     argv = sys.argv[1:] if args is None else list(args)
+    untrusted.force_weights_only()  # every torch.load of this process and its workers, a library's too
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     silence_library_noise()
 

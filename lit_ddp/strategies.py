@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp import compat
 from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
-from lit_ddp.run_dir import sharded
+from lit_ddp.run_dir import sharded, untrusted
 
 
 def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, Any]:
@@ -249,10 +249,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().teardown()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's load, a single-file checkpoint's optimizer state (DDP's) read in the optimizer's order
-        (:func:`lit_ddp.compat.rekey_optimizer_states_by_groups`). A sharded checkpoint of a model with
-        strided parameters (tensor parallelism's q, k, v rows) is read as Lightning reads one, through contiguous
-        rows (as :meth:`save_checkpoint` wrote them), which then go back to the strided layout.
+        """Lightning's load for a single-file checkpoint, its optimizer state (DDP's) read in the optimizer's order
+        (:func:`lit_ddp.compat.rekey_optimizer_states_by_groups`). A sharded checkpoint is read as Lightning reads
+        one (the module's shards, then each optimizer's, then ``meta.pt``), but through
+        :mod:`lit_ddp.run_dir.untrusted`'s reader (no code from its files runs) and, for strided parameters (tensor
+        parallelism's q, k, v rows), through contiguous rows (as :meth:`save_checkpoint` wrote them), which then go
+        back to the strided layout.
 
         Raises:
             ValueError: a single-file (full-state) checkpoint for a model with strided parameters: Lightning loads
@@ -264,23 +266,26 @@ class FSDP2Strategy(ModelParallelStrategy):
         model = self.model
         if model is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        if not any(_strided(p) for p in model.parameters()):  # a DDP checkpoint's optimizer numbers its parameters
-            with compat.rekey_optimizer_states_by_groups(model, self.optimizers):
-                return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
+        strided = any(_strided(p) for p in model.parameters())
         if not sharded.is_sharded(path):
-            raise ValueError(
-                f"{path} is a single-file checkpoint, which cannot be loaded into tensor-parallel parameters yet (c_attn's "
-                "rows would land in the wrong places): resume from a sharded one (save_distributed_checkpoint: true, "
-                "as configs/trainer/tp.yaml writes), or train on without tensor parallelism"
-            )
+            if strided:
+                raise ValueError(
+                    f"{path} is a single-file checkpoint, which cannot be loaded into tensor-parallel parameters yet "
+                    "(c_attn's rows would land in the wrong places): resume from a sharded one "
+                    "(save_distributed_checkpoint: true, as configs/trainer/tp.yaml writes), or train on without "
+                    "tensor parallelism"
+                )
+            with compat.rekey_optimizer_states_by_groups(model, self.optimizers):  # DDP's numbers its parameters
+                return super().load_checkpoint(checkpoint_path, weights_only)
+        # Read here rather than by Lightning's, whose DCP reader unpickles the metadata with pickle.load.
         for key, restored in self.read_sharded_state(path, copy=False).items():
             if key == "state_dict":
                 model.load_state_dict(restored, strict=self.lightning_module.strict_loading)  # type: ignore[union-attr]
             else:
                 optimizer = self.optimizers[int(key.split("_")[1])]
                 set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / sharded.META, weights_only=weights_only)
+        return untrusted.load(path / sharded.META)
 
     def sharded_state(self) -> dict[str, Any]:
         """The module's and optimizers' live state as a sharded checkpoint holds it: ``{"state_dict": ...,
@@ -299,7 +304,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         read = {}
         for key, state in self.sharded_state().items():  # each read on its own, as Lightning's _load_checkpoint
             staged = {key: _mapped(_mapped(state, _copied) if copy else state, _contiguous)}
-            dcp.load(staged, checkpoint_id=path)
+            dcp.load(
+                staged, storage_reader=untrusted.SafeFileSystemReader(str(path)), planner=untrusted.SafeLoadPlanner()
+            )
             read[key] = _mapped(staged[key], _strided_like, state)
         return read
 

@@ -6,16 +6,20 @@ TensorBoard log, continued across restarts, so all event files of the directory 
 
 from __future__ import annotations
 
+import os
+import tempfile
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
 from lit_ddp import compat
+from lit_ddp.run_dir import untrusted
 
 
 class HParamsTensorBoardLogger(TensorBoardLogger):
@@ -48,6 +52,23 @@ class HParamsTensorBoardLogger(TensorBoardLogger):
         for summary in hparams_summaries(flat, dict.fromkeys(self.hparams_metrics, 0.0)):
             writer.add_summary(summary, step)
         writer.flush()
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Lightning's save (the event file flushed; ``hparams.yaml`` written once), with ``hparams.yaml`` created by
+        an atomic replace and never through a symbolic link (Lightning's opens the path for writing).
+
+        Raises:
+            UntrustedFileError: ``hparams.yaml`` is a symbolic link.
+        """
+        path = os.path.join(self.log_dir, self.NAME_HPARAMS_FILE)
+        untrusted.refuse_symlink(path, "hyperparameter file")
+        if "://" not in path and os.path.isdir(self.log_dir) and not os.path.lexists(path):
+            with tempfile.TemporaryDirectory(dir=self.log_dir, prefix=".hparams.") as scratch:
+                written = os.path.join(scratch, self.NAME_HPARAMS_FILE)
+                save_hparams_to_yaml(written, self.hparams)
+                os.replace(written, path)
+        super().save()
 
 
 def read_scalars(run_dir: str | Path, tag: str) -> list[tuple[int, float]]:

@@ -54,7 +54,7 @@ def loss_curve(run: Path) -> dict[int, float]:
 def parameters(run: Path) -> dict[str, torch.Tensor]:
     """The floating-point tensors of the run's ``last.ckpt`` ``state_dict`` (a sharded one consolidated), in fp64."""
     path = Path(layout.last_checkpoint(str(run)))
-    ckpt = sharded.full_checkpoint(path) if sharded.is_sharded(path) else torch.load(path, map_location="cpu")
+    ckpt = sharded.read_whole(path)
     return {k: v.double() for k, v in ckpt["state_dict"].items() if v.is_floating_point()}
 
 

@@ -71,10 +71,7 @@ def compare(reference: Path, faulted: Path, rtol: float = 0.0) -> str | None:
     """The first differing entry of the two runs: ``last.ckpt``'s global_step, weights, optimizer and schedulers,
     then the TensorBoard scalars. A sharded ``last.ckpt/`` is consolidated first."""
     paths = (Path(layout.last_checkpoint(str(r))) for r in (reference, faulted))
-    a, b = (
-        sharded.full_checkpoint(p) if sharded.is_sharded(p) else torch.load(p, map_location="cpu", weights_only=False)
-        for p in paths
-    )
+    a, b = (sharded.read_whole(p) for p in paths)
     for key in ("global_step", "state_dict", "optimizer_states", "lr_schedulers"):
         if (found := first_difference(a.get(key), b.get(key), key, rtol)) is not None:
             return found

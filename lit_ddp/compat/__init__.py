@@ -57,6 +57,8 @@ from lit_ddp.compat.lightning_names import (
     threads_like_rank_zero,
 )
 from lit_ddp.compat.torch import (
+    dcp_full_state_planner,
+    dcp_private_metadata_classes,
     dcp_storage_extents,
     default_store,
     is_strided_shard,
@@ -79,6 +81,8 @@ __all__ = [
     "DDPOnTheTrainingStream",
     "collect_rng_states",
     "compute_dtype",
+    "dcp_full_state_planner",
+    "dcp_private_metadata_classes",
     "dcp_storage_extents",
     "default_store",
     "default_hp_metric",

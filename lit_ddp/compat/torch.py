@@ -74,6 +74,27 @@ def dcp_storage_extents(metadata: Any) -> dict[str, int]:
     return extents
 
 
+def dcp_private_metadata_classes() -> dict[tuple[str, str], Any]:
+    """The private names a Distributed Checkpoint's ``.metadata`` pickle holds besides its public dataclasses: the
+    file system writer's ``_StorageInfo`` (each entry's file, offset and length) and ``torch.serialization``'s
+    ``_get_layout`` (a layout pickled by name), by ``(module, name)``; those this torch lacks are left out (torch
+    2.9 to 2.15 have both)."""
+    found = {}
+    for module, name in (("torch.distributed.checkpoint.filesystem", "_StorageInfo"),):
+        try:
+            found[(module, name)] = private(module, name)
+        except ImportError:
+            continue
+    return found
+
+
+def dcp_full_state_planner() -> type:
+    """DCP's private ``_EmptyStateDictLoadPlanner``: a load planner that builds the state dict from the checkpoint's
+    metadata (what ``dcp_to_torch_save`` reads with), for reading a sharded checkpoint whole without a model. torch
+    has no public planner for it (its own converter constructs this one and a plain reader inside)."""
+    return private("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner")
+
+
 def strided_shard(dim: int, split_factor: int) -> Any:
     """DTensor's private ``_StridedShard`` placement: ``dim`` cut into ``split_factor`` equal parts, each sharded over
     the mesh dimension, every rank holding its slice of each part. The tensor-parallel layout of a fused q, k, v

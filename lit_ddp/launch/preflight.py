@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp.errors import UsageError
 from lit_ddp.launch.environment import config_value, devices_per_node, leading_int
+from lit_ddp.run_dir import untrusted
 from lit_ddp.run_dir.checkpoints import checkpoint_header, is_valid_checkpoint
 from lit_ddp.run_dir.layout import last_checkpoint
 
@@ -260,11 +261,13 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
 
     Raises:
         UsageError: the file does not exist, or is truncated / not a torch checkpoint.
+        UntrustedFileError: a URL, or a sharded checkpoint whose metadata holds more than its own classes.
     """
     if ckpt_path is None or ckpt_path in ("last", "best", "hpc", "registry"):
         return
     import fsspec
 
+    untrusted.refuse_url(ckpt_path, "--ckpt_path")
     fs, path = fsspec.core.url_to_fs(str(ckpt_path))
     if not fs.exists(path):
         raise UsageError(

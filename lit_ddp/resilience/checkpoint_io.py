@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from typing_extensions import override
 
 from lit_ddp import compat
+from lit_ddp.run_dir import untrusted
 from lit_ddp.run_dir.atomic import atomic_local_file, write_atomic
 
 
@@ -35,7 +36,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the same target are removed by the next successful save. An object store (``s3://``, ``gs://``, ...) gets
     one ``pipe`` (a single or multipart upload, which only becomes visible once complete); any other remote
     filesystem a write to ``NAME.tmp`` followed by a move.
+
+    Loading is weights-only, whatever Lightning asks (:func:`lit_ddp.run_dir.untrusted.load`): a checkpoint
+    holding more than tensors and plain data stops with one line, and a URL is refused.
     """
+
+    @override
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        return untrusted.load(path, map_location=map_location)
 
     @override
     def save_checkpoint(

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_ddp import compat
 from lit_ddp.errors import NoValidCheckpointError, ResumePointError
-from lit_ddp.run_dir import layout
+from lit_ddp.run_dir import layout, untrusted
 from lit_ddp.run_dir.checkpoints import (
     checkpoint_header,
     checkpoint_step,
@@ -142,6 +142,8 @@ def resume_from_agreed_checkpoint(
         if given is not None and (path is None or checkpoint_step(path) < checkpoint_step(given)):
             path = given  # this job has saved nothing since it started from --ckpt_path
         if path is not None:
+            path = untrusted.local_path(path)  # Lightning takes a relative "http..." path for a URL
+        if path is not None:
             rank_zero_info(f"{'Evaluating' if required else 'Resuming from'} {path}")
             if not required and trainer.is_global_zero:
                 warn_changed_hyperparameters(path, dict(trainer.lightning_module.hparams))
@@ -171,6 +173,8 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | None, fit: bool) -> str
     root = trainer.default_root_dir
     if ckpt_path in ("last", "best", "hpc", "registry"):
         return ckpt_path
+    if ckpt_path is not None:
+        ckpt_path = untrusted.local_path(ckpt_path)  # Lightning takes a relative "http..." path for a URL
     if ckpt_path is not None and fit and restart_count() == 0:
         if trainer.is_global_zero:  # a rollback: the newer files are abandoned
             set_aside_later_checkpoints(root, layout.checkpoint_dir(root), str(ckpt_path))

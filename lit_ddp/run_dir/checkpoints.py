@@ -22,7 +22,7 @@ import fsspec
 from fsspec.core import url_to_fs
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_ddp.run_dir import sharded
+from lit_ddp.run_dir import sharded, untrusted
 from lit_ddp.run_dir.layout import (
     CHECKPOINTS,
     HPC_GLOB,
@@ -44,6 +44,10 @@ def is_valid_checkpoint(path: str) -> bool:
 
     Reads the whole file once (bytes), not the tensors into memory. A file truncated while being written,
     or one that is not a torch checkpoint at all, is invalid.
+
+    Raises:
+        UntrustedFileError: a sharded checkpoint's metadata names classes a checkpoint never holds (a planted
+            pickle: :func:`lit_ddp.run_dir.untrusted.read_dcp_metadata`).
     """
     if sharded.is_sharded(path) and not sharded.shards_complete(path):
         return False
@@ -145,6 +149,9 @@ def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list
     Args:
         root_dir: the run directory (``trainer.default_root_dir``); ``hpc_ckpt_*.ckpt`` are looked for here.
         checkpoint_dir: the ModelCheckpoint directory; defaults to ``<root_dir>/checkpoints``.
+
+    Raises:
+        UntrustedFileError: a checkpoint there is a symbolic link (lit-ddp writes none).
     """
     root_dir = str(root_dir)
     fs, _ = url_to_fs(root_dir)
@@ -155,6 +162,7 @@ def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list
     names += [_join(fs, root_dir, n) for n in _names(fs, root_dir) if is_hpc_name(n)]
     found: dict[str, tuple[int, int, str]] = {}
     for name in names:
+        untrusted.refuse_symlink(name, "checkpoint")  # lit-ddp writes none: someone planted it
         try:
             step = checkpoint_step(name)
         except ValueError:

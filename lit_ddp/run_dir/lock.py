@@ -20,6 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp.errors import UsageError
+from lit_ddp.run_dir import untrusted
 from lit_ddp.run_dir.atomic import write_atomic
 from lit_ddp.run_dir.layout import HOLDER_FILE, LOCK_FILE
 
@@ -51,6 +52,7 @@ def hold_run_directory(root: str, env: Mapping[str, str] | None = None) -> bool:
     Raises:
         RunDirectoryBusy: another live process holds it; the message names the directory and the holder
             (host, pid, start time).
+        UntrustedFileError: the lock or holder file is a symbolic link.
     """
     if job_rank(env) != 0:
         return False
@@ -59,9 +61,19 @@ def hold_run_directory(root: str, env: Mapping[str, str] | None = None) -> bool:
         rank_zero_warn(f"The run directory {root} is not local and cannot be locked: make sure one job uses it.")
         return False
     os.makedirs(path, exist_ok=True)
-    lock_path = os.path.realpath(os.path.join(path, LOCK_FILE))
+    if untrusted.writable_by_others(path):
+        rank_zero_warn(
+            f"The run directory {root} is writable by its group or by everyone: whoever can write there can plant "
+            "checkpoints that this run will resume (lit-ddp runs no code from them, but trains on their weights); "
+            "chmod go-w it unless that is what you want"
+        )
+    lock_path = os.path.abspath(os.path.join(path, LOCK_FILE))
     if lock_path in _held:  # a second fit in this process (from Python): it is ours already
         return True
+    # Links are refused, not resolved: a planted one would make the lock truncate the file it points to
+    # (filelock >= 3.20.3 opens with O_NOFOLLOW too, CVE-2025-68146).
+    untrusted.refuse_symlink(lock_path, "run directory's lock file")
+    untrusted.refuse_symlink(os.path.join(path, HOLDER_FILE), "run directory's holder record")
     lock = FileLock(lock_path, timeout=0)
     try:
         lock.acquire()
@@ -89,10 +101,14 @@ def hold_run_directory(root: str, env: Mapping[str, str] | None = None) -> bool:
 
 def _holder_record(path: str) -> dict | None:
     try:
-        with open(os.path.join(path, HOLDER_FILE)) as f:
+        with open(os.path.join(path, HOLDER_FILE), opener=_no_follow) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def _describe(holder: dict | None) -> str:

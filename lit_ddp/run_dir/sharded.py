@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_ddp import compat
+from lit_ddp.run_dir import untrusted
 from lit_ddp.run_dir.atomic import fsync, umask
 
 META = "meta.pt"
@@ -36,8 +35,9 @@ META = "meta.pt"
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a sharded checkpoint's directory (a local path: DCP writes through the OS)."""
-    return os.path.isdir(path)
+    """Whether ``path`` is a sharded checkpoint's directory (a local path: DCP writes through the OS). A symbolic
+    link is not followed (:func:`lit_ddp.run_dir.untrusted.refuse_symlink` refuses it where it is read)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def meta_path(path: str) -> str:
@@ -46,16 +46,21 @@ def meta_path(path: str) -> str:
 
 
 def shards_complete(path: str | os.PathLike) -> bool:
-    """Whether every shard file the directory's DCP ``.metadata`` names is there, as long as the metadata says.
+    """Whether every shard file the directory's DCP ``.metadata`` names is there, as long as the metadata says
+    (the metadata read without running code from it: :func:`lit_ddp.run_dir.untrusted.read_dcp_metadata`).
+    An unreadable ``.metadata`` (a directory cut short or not a checkpoint) is incomplete.
 
-    Raises nothing: an unreadable ``.metadata`` (a directory cut short or not a checkpoint) is incomplete.
+    Raises:
+        UntrustedFileError: the ``.metadata`` names classes a checkpoint's metadata never holds (a planted pickle).
     """
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = untrusted.read_dcp_metadata(path)
         for name, end in compat.dcp_storage_extents(metadata).items():
-            if os.path.getsize(os.path.join(path, name)) < end:
+            if os.path.getsize(os.path.join(path, os.path.basename(name))) < end:
                 return False
-    except Exception:  # noqa: BLE001 - DCP raises whatever unpickling a torn file raises
+    except untrusted.UntrustedFileError:
+        raise
+    except (ValueError, OSError, AttributeError, TypeError):
         return False
     return True
 
@@ -95,23 +100,34 @@ def commit(written: str | os.PathLike, path: str | os.PathLike) -> None:
 
 def full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A sharded checkpoint as the dictionary a single-file one holds: ``meta.pt``'s entries plus ``state_dict``
-    and ``optimizer_states`` consolidated from the shards (DCP's ``dcp_to_torch_save``; full tensors, in memory).
+    and ``optimizer_states`` consolidated from the shards (full tensors, in memory), running no code from the files
+    (:func:`lit_ddp.run_dir.untrusted.read_sharded`).
 
     Raises:
         ValueError: ``path`` is not a complete sharded checkpoint.
+        UntrustedFileError: a file of it holds more than the checkpoint's own classes and plain data.
     """
     if not (os.path.isfile(os.path.join(path, META)) and shards_complete(path)):
         raise ValueError(f"{path} is not a complete sharded checkpoint (meta.pt and DCP shards)")
-    checkpoint = torch.load(os.path.join(path, META), map_location="cpu", weights_only=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        dcp_to_torch_save(str(path), os.path.join(scratch, "full.pt"))
-        tensors = torch.load(os.path.join(scratch, "full.pt"), map_location="cpu", weights_only=True)
+    checkpoint = untrusted.load(os.path.join(path, META))
+    tensors = untrusted.read_sharded(path)
     checkpoint["state_dict"] = tensors.pop("state_dict")
     optimizers = sorted(
         (int(key.split("_")[1]), state) for key, state in tensors.items() if key.startswith("optimizer_")
     )
     checkpoint["optimizer_states"] = [state for _, state in optimizers]
     return checkpoint
+
+
+def read_whole(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint, single-file or sharded (:func:`full_checkpoint`), as a single-file one's dictionary with its
+    tensors on the CPU, read weights-only (:func:`lit_ddp.run_dir.untrusted.load`).
+
+    Raises:
+        UntrustedFileError: it holds more than tensors and plain data, or is a URL.
+        ValueError: a sharded checkpoint that is not complete.
+    """
+    return full_checkpoint(path) if is_sharded(path) else untrusted.load(path)
 
 
 def as_file(path: str | os.PathLike) -> io.BytesIO:
