@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp import compat
+from lit_ddp.launch import loopback
 from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
 from lit_ddp.run_dir import sharded, untrusted
 
@@ -78,6 +79,10 @@ class DDPStrategy(compat.DDPOnTheTrainingStream):
                     f"(lit_ddp.strategies.DDPStrategy passes it to DDP under the name this torch knows)"
                 )
         super().__init__(**kwargs, **ddp_buffer_kwargs(sync_buffers))
+
+    def setup_environment(self) -> None:
+        loopback.init_process_group(self)  # a one-machine run listens on loopback only
+        super().setup_environment()
 
 
 def forward_is_collective(module: nn.Module) -> bool:
@@ -170,6 +175,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         compat.set_model_parallel_sizes(self, self.world_size // self.tensor_parallel_size, self.tensor_parallel_size)
         compat.threads_like_rank_zero(self.num_processes)  # every rank as many as rank zero (compat says why)
+        loopback.init_process_group(self)  # a one-machine run listens on loopback only
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 
+from lit_ddp.launch import loopback
 from lit_ddp.run_dir import layout
 
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
@@ -147,10 +148,8 @@ class Job:
             return
         agents = self.args.nodes if self.args.launcher == "torchrun" else 1
         if agents > 1:
-            if self.store is None:
-                from torch.distributed import TCPStore
-
-                self.store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+            if self.store is None:  # on loopback only (lit_ddp.launch.loopback)
+                self.store = loopback.store(0, None, True, multi_tenant=True, wait_for_workers=False)
             self.round += 1
         self.procs = [self._spawn() for _ in range(agents)]
 

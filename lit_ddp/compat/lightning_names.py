@@ -24,6 +24,13 @@ def strategy_timeout(strategy: Any) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
+def process_group_backend(strategy: Any) -> str:
+    """The backend a Lightning strategy creates its process group with (its ``process_group_backend`` argument,
+    else gloo on CPU and NCCL on CUDA): its private ``_get_process_group_backend`` (DDPStrategy, FSDPStrategy and
+    ModelParallelStrategy alike; no public getter before the group exists)."""
+    return str(getattr(strategy, "_get_process_group_backend")())  # noqa: B009 - one home for private names
+
+
 def threads_like_rank_zero(num_processes: int) -> None:
     """Gives this process the intra-op threads Lightning's launcher gave rank zero: ``OMP_NUM_THREADS``, else
     this machine's CPUs over ``num_processes`` (Lightning's private ``_set_num_threads_if_needed``).

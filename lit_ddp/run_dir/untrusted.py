@@ -39,6 +39,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lit_ddp import compat
@@ -123,7 +124,7 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         except pickle.UnpicklingError as e:
             raise UntrustedFileError(
                 f"{path} holds objects other than tensors and plain data, which lit-ddp does not load "
-                f"(torch.load(weights_only=True) refused it: {str(e).splitlines()[0]})"
+                f"(torch.load(weights_only=True) refused it: {_reason(e)})"
             ) from None
 
 
@@ -227,7 +228,7 @@ class WeightsOnlyBytes:
         except pickle.UnpicklingError as e:
             raise UntrustedFileError(
                 f"the sharded checkpoint's entry {read_item.dest_index.fqn} holds objects other than tensors and "
-                f"plain data, which lit-ddp does not load ({str(e).splitlines()[0]})"
+                f"plain data, which lit-ddp does not load ({_reason(e)})"
             ) from None
         super().load_bytes(read_item, io.BytesIO(data))  # type: ignore[misc]
 
@@ -248,5 +249,30 @@ def read_sharded(path: str | os.PathLike) -> dict[str, Any]:
     planner = type("_SafeFullStatePlanner", (WeightsOnlyBytes, compat.dcp_full_state_planner()), {})()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
-        dcp.load({}, storage_reader=SafeFileSystemReader(str(path)), planner=planner, no_dist=True)
+        dcp_load({}, path, planner, no_dist=True)
     return dict(planner.original_state_dict)
+
+
+def dcp_load(state: dict[str, Any], path: str | os.PathLike, planner: Any = None, **kwargs: Any) -> None:
+    """torch's ``dcp.load(state, ...)`` from the sharded checkpoint ``path`` through :class:`SafeFileSystemReader`
+    and (by default) :class:`SafeLoadPlanner`; collective unless ``no_dist=True`` is given.
+
+    Raises:
+        UntrustedFileError: on any rank, a file holds more than the checkpoint's own classes and plain data (DCP
+            wraps it in a ``CheckpointException``, which is unwrapped).
+        CheckpointException: torch's, for any other failure.
+    """
+    planner = SafeLoadPlanner() if planner is None else planner
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=planner, **kwargs)
+    except CheckpointException as e:
+        for error, _ in e.failures.values():
+            if isinstance(error, UntrustedFileError):
+                raise UntrustedFileError(str(error)) from None
+        raise
+
+
+def _reason(error: Exception) -> str:
+    """The line of torch's weights-only refusal that names what was refused."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else repr(error))
