@@ -246,47 +246,61 @@ dist.destroy_process_group()  # without it gloo's threads may abort the exit ("t
 """
 
 
+SHARED_STORE_BUDGET_S = 150.0
+"""How long the upstream check tries to reproduce torch's shared-store bug; one try that hangs costs 60 s."""
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_torch_shared_store_still_breaks_restarts(tmp_path: Path, runner: helpers.Runner) -> None:
     """Why lit-ddp refuses ``torchrun --max-restarts N`` without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
     (pytorch/pytorch#135712, closed upstream): on torch's shared store a restarted group of plain torch
     (no Lightning, no lit_ddp) reads the crashed group's gloo addresses and fails or hangs; with the opt-out it
-    forms. When the first half fails, torch has fixed it: drop the check in ``lit_ddp.launch.preflight``.
-    Then lit-ddp's refusal: one ``lit-ddp: error:`` line per attempt naming the variable, before any training."""
+    forms. Whether a try breaks is chance (which side of the gloo pair dials first: 9 tries in 10 here), so the
+    check tries for up to ``SHARED_STORE_BUDGET_S`` and, where every try formed, skips with a line saying that
+    #135712 may be fixed (drop the check in ``lit_ddp.launch.preflight`` once it no longer reproduces on a torch)
+    rather than failing the suite on a lucky day. Then lit-ddp's refusal, which must hold: one ``lit-ddp: error:``
+    line per attempt naming the variable, before any training."""
     script = tmp_path / "restarted_group.py"
     script.write_text(RESTARTED_GROUP)
     done = "of the restarted group: all_reduce done"
 
-    def restart_forms(shared: bool) -> bool:
+    def restart_forms(shared: bool, wait_s: float) -> bool:
         for marker in tmp_path.glob("rank0_joining_*"):
             marker.unlink()
         proc = runner.start(torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
                                      "--monitor-interval", "0.2", str(script), shared_store=shared))  # fmt: skip
         try:
-            out = helpers.wait(proc, 60).stdout
+            out = helpers.wait(proc, wait_s).stdout
         except AssertionError as hung:  # wait()'s timeout: the group never formed
             out = str(hung)
         return out.count(done) == 2 and proc.returncode == 0
 
-    assert restart_forms(shared=False), "the restarted group did not form with the opt-out"
-    # On the shared store whether it breaks depends on which side of the gloo pair dials: rank 0 dials the crashed
-    # rank 1's stale address in most tries, not all (1 in 10 formed here), so try up to 12 times.
-    tries = next((n for n in range(1, 13) if not restart_forms(shared=True)), None)
-    assert tries is not None, "the restarted group formed 12 times in 12 on the shared store: #135712 fixed?"
-    print(f"shared store: the restarted group broke on try {tries}")
+    # The opt-out must work: 180 s is 3x a slow day's minute.
+    assert restart_forms(shared=False, wait_s=180), "the restarted group did not form with the opt-out"
+    start = time.monotonic()
+    tries, broke = 0, False
+    while not broke and (tries == 0 or time.monotonic() - start < SHARED_STORE_BUDGET_S):
+        tries += 1
+        broke = not restart_forms(shared=True, wait_s=60)
+    print(f"shared store: {'broke on try' if broke else 'formed in every try of'} {tries}")
     start = time.monotonic()
     proc = runner.start(torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "lit_ddp",
                                  "fit", *compose("trainer/ddp", "regression/torchrun"), *QUIET,
                                  "--trainer.default_root_dir", str(tmp_path / "run"), shared_store=True))  # fmt: skip
-    result = helpers.wait(proc, 120)
+    result = helpers.wait(proc, 240)
     errors = [line for line in result.stdout.splitlines() if line.startswith("lit-ddp: error:")]
     # once per attempt: torchrun restarts a worker that exited with status 2 like any other
     assert result.returncode != 0 and len(errors) == 2 and len(set(errors)) == 1, result.stdout[-5000:]
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun" in errors[0] and "--max-restarts 1" in errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
     print(f"refused in {time.monotonic() - start:.1f} s")
+    if not broke:
+        pytest.skip(
+            f"torch's shared store let the restarted group form in all {tries} tries ({SHARED_STORE_BUDGET_S:.0f} s): "
+            "pytorch/pytorch#135712 may be fixed on this torch; lit-ddp's refusal was checked"
+        )
 
 
 @pytest.mark.serial

@@ -14,6 +14,7 @@ from tests.helpers import REPO
 
 SCRIPT = """
 import signal, socket, sys, time
+import lit_ddp.compat  # a fit has imported it (and Lightning) long before a SIGTERM: the exit costs no import
 from lit_ddp.resilience import signals
 signals.install(signal.SIGTERM)
 signals.watch_for_stalls(0.5, describe=lambda: "rank 3")
@@ -45,7 +46,7 @@ def test_sigterm_ends_a_blocked_process_and_not_a_stepping_one(main_thread: str)
         proc.kill()
     if main_thread == "blocked":
         assert proc.returncode == 128 + signal.SIGTERM, err
-        assert 0.5 <= took < 5.0, took
+        assert 0.5 <= took < 5.0, took  # the watch's 0.5 s, then one write and os._exit: 10x margin
         [line] = err.splitlines()
         assert line.startswith("lit-ddp: error: rank 3: SIGTERM received and no step finished in 0.5 s"), line
     else:
