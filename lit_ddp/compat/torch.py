@@ -7,6 +7,8 @@ version has one (``torch.distributed.set_timeout`` from 2.14).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from datetime import timedelta
 from typing import Any
 
@@ -131,3 +133,33 @@ def strided_rows_survive_linear(mesh: Any) -> bool:
     x = on_mesh(torch.zeros(1, 1, device=mesh.device_type), Replicate())
     out: Any = torch.nn.functional.linear(x, weight, bias)  # a DTensor
     return is_strided_shard(out.placements[-1])
+
+
+@functools.cache
+def torch_muon_is_batched() -> bool:
+    """Whether this torch's own ``torch.optim.Muon`` has a batched (``foreach``) step, which
+    :func:`lit_ddp.recipe.build_optimizer` then takes over :class:`lit_ddp.muon.BatchedMuon`. False on torch 2.9 to
+    2.15: Muon takes no ``foreach`` and its functional ``muon`` raises "Foreach is not supported for Muon yet"; open
+    pull requests add one (pytorch/pytorch#195566, #187131). Tried, not read off a version: Muon built with
+    ``foreach=True`` steps a tiny matrix on the CPU; True where that works. A ``foreach`` that still orthogonalizes
+    one matrix at a time (#187131 alone) passes too: ``tests/unit/test_compat.py`` fails where this turns True,
+    to look before torch's is taken."""
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    p.grad = torch.ones(2, 2)
+    try:
+        torch.optim.Muon([p], foreach=True).step()  # type: ignore[call-arg]  # no such argument on 2.9 to 2.15
+    except (TypeError, RuntimeError):  # an unknown argument; "not supported yet"
+        return False
+    return True
+
+
+def muon_per_matrix(
+    params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], group: Any
+) -> None:
+    """``torch.optim.Muon``'s step over one group's parameters with gradients, one matrix at a time: its functional
+    ``muon`` (in the private ``torch.optim._muon`` on 2.9 to 2.15), given the group's settings that it takes (their
+    names differ between versions: ``use_addmm`` comes and goes). :class:`lit_ddp.muon.BatchedMuon`'s step for
+    DTensor parameters, whose shards it cannot stack."""
+    muon = private("torch.optim._muon", "muon")
+    settings = {k: group[k] for k in inspect.signature(muon).parameters if k in group and k != "params"}
+    muon(params, grads, bufs, **settings, has_complex=False)

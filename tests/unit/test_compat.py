@@ -463,3 +463,26 @@ def test_rekey_optimizer_states_by_groups() -> None:
     }  # fmt: skip
     assert [g["params"] for g in named["param_groups"]] == [["1.weight", "0.weight"], ["0.bias", "1.bias"]]
     assert named["param_groups"][0]["lr"] == state["param_groups"][0]["lr"]
+
+
+def test_torchs_muon_has_no_batched_step() -> None:
+    """What :class:`lit_ddp.muon.BatchedMuon` stands in for: torch 2.9 to 2.15's Muon takes no ``foreach`` (open pull
+    requests pytorch/pytorch#195566, #187131 add one). Where this fails, build_optimizer takes torch's Muon: check
+    that it orthogonalizes each shape's matrices together (tests/unit/test_muon.py's aten-op count) before the
+    versions here and in compat.torch_muon_is_batched change."""
+    there = not compat.torch_muon_is_batched()
+    assert there, known("torch's Muon without a batched step", there, True)
+
+
+def test_muon_per_matrix_is_torchs_step() -> None:
+    """compat.muon_per_matrix is torch's Muon step over one group, given whatever settings the group holds (a
+    learning-rate scheduler's ``initial_lr`` and the group's ``name`` too)."""
+    p, q = (torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(0))) for _ in range(2))
+    reference = torch.optim.Muon([p], lr=0.1)
+    group = {**reference.param_groups[0], "name": "muon", "initial_lr": 0.1}
+    p.grad = q.grad = torch.ones(4, 3)
+    reference.step()
+    buf = torch.zeros(4, 3)
+    with torch.no_grad():  # as in a step
+        compat.muon_per_matrix([q], [q.grad], [buf], group)
+    assert torch.equal(p, q) and torch.equal(buf, reference.state[p]["momentum_buffer"])
