@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from lit_ddp.resilience.restore import capture_rng
 from lit_ddp.resilience.restore_check import first_mismatch, promised, restored
-from lit_ddp.resilience.resume_state import collect_rng_states
 from lit_ddp.tasks.mingpt import GPTModule
 
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     module(x, x)[1].backward()  # (logits, loss)
     optimizer.step()
     trainer: Any = SimpleNamespace(global_step=1, optimizers=[optimizer], lr_scheduler_configs=[])
-    rng = collect_rng_states(torch.device("cpu"))
+    rng = capture_rng(torch.device("cpu"))
     state = {"global_step": 1, "state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()]}
     took: dict[str, list[float]] = {"check": [], "save": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,10 +2,12 @@
 command (:class:`lit_ddp.cli.LitDDPCLI`) installs.
 
 - :mod:`~lit_ddp.resilience.checkpoint_io`: every save atomic, synchronous or in a background thread;
-- :mod:`~lit_ddp.resilience.resume`: the resume point, the newest valid checkpoint of the run directory
-  (:mod:`lit_ddp.run_dir`: its layout, checkpoints, lock and atomic writes), agreed by all ranks, and what a
-  resume reports;
-- :mod:`~lit_ddp.resilience.exact_resume`: each rank's RNG and train-loader state in every checkpoint;
+- a resume, in the order it runs: :mod:`~lit_ddp.resilience.resume` chooses the checkpoint (the run directory's
+  newest valid one, :mod:`lit_ddp.run_dir` listing it, listed once, chosen on rank zero, agreed by every rank,
+  handed to Lightning); Lightning loads it and calls :mod:`~lit_ddp.resilience.exact_resume`'s hooks, which carry
+  each rank's state; :meth:`lit_ddp.resilience.restore.ResumeState.restore` puts that state back before the first
+  step in numbered steps (loops and loaders, metrics, RNG, the restore check of
+  :mod:`~lit_ddp.resilience.restore_check`, the report);
 - :mod:`~lit_ddp.resilience.periodic_checkpoint`: checkpoints every N steps and/or T seconds;
 - :mod:`~lit_ddp.resilience.startup_timeout`: start-up bounded apart from the collective timeout;
 - :mod:`~lit_ddp.resilience.finite_loss`: a NaN stops every rank before it reaches a checkpoint;

@@ -1,32 +1,31 @@
-"""The callback that carries each rank's :class:`~lit_ddp.resilience.resume_state.ResumeState` through a checkpoint
-and restores it, checks the restore, and keeps TensorBoard's curves whole across the restart."""
+"""The callback that carries each rank's :class:`~lit_ddp.resilience.restore.ResumeState` through a checkpoint and
+has it restored at one point, and keeps TensorBoard's curves whole across the restart.
+
+Lightning calls its hooks in its own order: ``on_save_checkpoint`` (every save), then on a resume
+``on_load_checkpoint`` (inside Lightning's restore: this rank's state and what the restore check will compare),
+``on_fit_start`` (the optimizers' settings as the config built them), ``on_train_start`` (the restore itself:
+:meth:`ResumeState.restore`, numbered steps) and ``on_train_batch_start`` (TensorBoard's purge marker).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp import compat
 from lit_ddp.resilience import restore_check
-from lit_ddp.resilience.resume import (
-    reached_its_end,
-    report_resume,
-    training_settings,
-    warn_restored_settings,
-)
-from lit_ddp.resilience.resume_state import ResumeState, collect_rng_states, global_batch
+from lit_ddp.resilience.restore import ResumeState, global_batch, reached_its_end, report_resume, training_settings
 from lit_ddp.tensorboard import tags_logged_at
 
 CHECKPOINT_KEY = "exact_resume"
 
 
 class ExactResume(Callback):
-    """Saves every rank's :class:`~lit_ddp.resilience.resume_state.ResumeState` (RNG streams, train-loader
+    """Saves every rank's :class:`~lit_ddp.resilience.restore.ResumeState` (RNG streams, train-loader
     positions, metric sums); on resume, restores each rank's own before the first step and checks the restore.
 
     On save (on every rank, inside ``trainer.save_checkpoint``), the ranks' states are gathered into the checkpoint
@@ -34,16 +33,15 @@ class ExactResume(Callback):
     resume:
 
     - each rank's loader state is restored in place of rank zero's (which Lightning would load);
-    - at ``on_train_start`` the rank's state is restored (:meth:`ResumeState.restore`, at one point, after
-      Lightning's own restore and the ``on_train_start`` of the callbacks listed before this one);
-    - then the restore check compares what was restored with the checkpoint, before the first step
-      (:mod:`lit_ddp.resilience.restore_check`);
+    - at ``on_train_start`` the rank's state is restored, checked against the checkpoint and reported
+      (:meth:`ResumeState.restore`, at one point, after Lightning's own restore and the ``on_train_start`` of the
+      callbacks listed before this one);
     - with ``purge_tensorboard``, a TensorBoard "session start" event at the first step the resumed run logs
       (written at its first training batch) makes TensorBoard drop the points that the killed run logged after
       its checkpoint, so each step appears once and none is missing.
 
     A checkpoint written with another global batch (``batch_size`` x processes): the epoch still ends after all
-    of its samples (:func:`~lit_ddp.resilience.resume_state.remap_epoch_progress`), with a warning.
+    of its samples (:func:`~lit_ddp.resilience.restore.remap_epoch_progress`), with a warning.
 
     A checkpoint from a different world size: the train loader continues from the saved global sample
     position (:class:`lit_ddp.data.samplers.GlobalOrderSampler`, whose state is the same on every rank), so
@@ -51,9 +49,8 @@ class ExactResume(Callback):
     inside a step (dropout) differ from an uninterrupted run's; the metrics' running sums start afresh.
 
     Every resume (automatic, ``--ckpt_path``, a restart) says where it continues, or that the run had already
-    finished (:func:`lit_ddp.resilience.resume.report_resume`), and compares the optimizers' and LR
-    schedulers' settings as the config built them with those the checkpoint restored, and warns about each that
-    differs (:func:`lit_ddp.resilience.resume.warn_restored_settings`).
+    finished (:func:`lit_ddp.resilience.restore.report_resume`), and warns about each setting the checkpoint
+    replaced (:meth:`ResumeState.restore`, step 5).
 
     Args:
         purge_tensorboard: write TensorBoard's purge marker on resume (see above).
@@ -147,40 +144,15 @@ class ExactResume(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._train_started = True
-        if trainer.ckpt_path is not None:
-            report_resume(trainer)
-            if self._configured_settings is not None:
-                warn_restored_settings(str(trainer.ckpt_path), self._configured_settings, training_settings(trainer))
-        self._configured_settings = None
-        fit_loop = trainer.fit_loop
-        if any(
-            isinstance(getattr(getattr(dl, "batch_sampler", None), "sampler", None), DistributedSamplerWrapper)
-            or isinstance(getattr(dl, "sampler", None), DistributedSamplerWrapper)
-            for dl in compat.train_loaders(trainer)
-        ):
-            rank_zero_warn(
-                "Lightning wrapped a train sampler in DistributedSamplerWrapper, whose inner sampler's random "
-                "state is in no checkpoint: a resume will not draw the same samples. Give the train loader "
-                "`sampler=lit_ddp.data.samplers.GlobalOrderSampler(dataset)`."
-            )
+        configured, self._configured_settings = self._configured_settings, None
+        promised, self._promised = self._promised, None
         state, self._state = self._state, ResumeState()  # the checkpoint's tensors are let go once restored
-        self._resumed_mid_epoch = state.restore(trainer, pl_module, self._saved_global_batch)
+        self._resumed_mid_epoch = state.restore(trainer, pl_module, self._saved_global_batch, promised, configured)
         # After a checkpoint from on_train_epoch_end the next epoch's first batch logs where the saved epoch's last
         # left off (Lightning adds one to it, or not, depending on where validation ran).
         self._log_step_after_epoch_end = (
-            compat.batches_that_stepped(trainer) if fit_loop.restarted_on_epoch_end else None
+            compat.batches_that_stepped(trainer) if trainer.fit_loop.restarted_on_epoch_end else None
         )
-        if self._promised is not None:  # everything is restored: the restore check, before the first step
-            rng, plain = collect_rng_states(trainer.strategy.root_device), restore_check.plain_tensors(pl_module)
-            live = restore_check.restored(trainer, pl_module, rng, tensors=plain)
-            promised, self._promised = self._promised, None  # the checkpoint's tensors are let go either way
-            if not plain and (shards := restore_check.sharded_states(trainer)) is not None:
-                promised.update(shards[0])
-                live.update(shards[1])
-            if state.positions and self._resumed_mid_epoch:  # else the next epoch starts at its first sample
-                restore_check.add_positions(promised, state.positions)
-                restore_check.add_positions(live, restore_check.live_positions(trainer, state.positions))
-            restore_check.check(promised, live, str(trainer.ckpt_path))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._log_step_after_epoch_end is not None:

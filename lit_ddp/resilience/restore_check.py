@@ -1,6 +1,7 @@
 """The restore check: a resumed fit compares the state it restored with the one its checkpoint holds, before its
-first step (:class:`lit_ddp.resilience.exact_resume.ExactResume` calls it at the end of its ``on_train_start``,
-after that hook of the callbacks listed before it in the trainer). A loading bug, a callback that edits the weights on resume: the run stops with one line
+first step (step 4 of :meth:`lit_ddp.resilience.restore.ResumeState.restore`, in ``ExactResume.on_train_start``,
+after that hook of the callbacks listed before it in the trainer). A comparison only: what a save records for it is
+:func:`lit_ddp.resilience.restore.saved_positions`. A loading bug, a callback that edits the weights on resume: the run stops with one line
 naming the first entry that differs, instead of training on from a state nobody saved.
 
 Compared on every rank: the global step, each LR scheduler's state, this rank's RNG streams as ExactResume saved
@@ -11,7 +12,7 @@ and tensor parallelism from a sharded checkpoint, which torch's distributed chec
 shard of each of them, against the checkpoint read a second time into copies (``read_sharded_state``); on a resume
 mid-epoch, each train loader's :class:`~lit_ddp.data.samplers.GlobalOrderSampler` position (epoch and global
 sample), the dataset indices of the global batch that follows it and, for a loader with workers, the seed their
-RNGs start from, which each save records (:func:`saved_positions`): a lost position, another seed or other data
+RNGs start from, which each save records: a lost position, another seed or other data
 shows there. Tensors bit for bit
 (``torch.equal``), other values by ``==``.
 
@@ -66,40 +67,20 @@ def restored(trainer: Trainer, pl_module: LightningModule, rng: dict[str, Any], 
     return leaves
 
 
-def saved_positions(trainer: Trainer, loader_states: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """At a save, for each train loader: ``{"epoch", "consumed", "next_indices"}``, the global position its saved
-    state ``loader_states`` resumes at and the dataset indices of the next global batch (batch size x world size
-    samples) from there, and for a loader with workers ``"worker_seed"``, the seed their RNGs start from; None for a
-    loader without a GlobalOrderSampler position in its state."""
-    positions: list[dict[str, Any] | None] = []
-    for loader, state in zip(compat.train_loaders(trainer), loader_states, strict=False):
-        sampler, saved = _sampler(loader), compat.sampler_state(state)
-        if sampler is None or "consumed" not in saved:
-            positions.append(None)
-            continue
-        epoch, consumed = int(saved["epoch"]), int(saved["consumed"])
-        count = int(loader.batch_size or 1) * trainer.world_size
-        position = {"epoch": epoch, "consumed": consumed, "next_indices": _upcoming(sampler, epoch, consumed, count)}
-        if (seed := compat.worker_seed(state)) is not None:
-            position["worker_seed"] = seed
-        positions.append(position)
-    return positions
-
-
 def live_positions(trainer: Trainer, saved: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
-    """After a restore, the same as :func:`saved_positions` read from the train loaders' samplers and iterators,
+    """After a restore, what :func:`lit_ddp.resilience.restore.saved_positions` recorded at the save, read from the train loaders' samplers and iterators,
     with as many next indices as ``saved`` holds (the global batch may have changed with the world size)."""
     positions: list[dict[str, Any] | None] = []
     states = compat.train_loader_states(trainer)
     for i, (loader, promise) in enumerate(zip(compat.train_loaders(trainer), saved, strict=False)):
-        sampler = _sampler(loader)
+        sampler = loader_sampler(loader)
         if sampler is None or promise is None:
             positions.append(None)
             continue
         epoch, pending = sampler.epoch, sampler.pending  # a loaded state not iterated yet, or where iteration began
         consumed = sampler.start if pending is None else int(pending["consumed"]) * (pending["epoch"] == epoch)
-        upcoming = _upcoming(sampler, epoch, consumed, len(promise["next_indices"]))
-        position = {"epoch": epoch, "consumed": consumed, "next_indices": upcoming}
+        following = upcoming(sampler, epoch, consumed, len(promise["next_indices"]))
+        position = {"epoch": epoch, "consumed": consumed, "next_indices": following}
         if "worker_seed" in promise:
             position["worker_seed"] = compat.worker_seed(states[i]) if i < len(states) else None
         positions.append(position)
@@ -138,13 +119,14 @@ def add_positions(leaves: dict[str, Any], positions: list[dict[str, Any] | None]
             leaves[f"loader{i}/{key}"] = value
 
 
-def _upcoming(sampler: GlobalOrderSampler, epoch: int, consumed: int, count: int) -> list[int]:
+def upcoming(sampler: GlobalOrderSampler, epoch: int, consumed: int, count: int) -> list[int]:
     """The dataset indices of the ``count`` samples after global sample ``consumed`` of ``epoch``, every rank's in
     the global order: with ``count`` = batch size x world size, the next step's global batch."""
     return sampler.order(epoch)[consumed : consumed + count].tolist()
 
 
-def _sampler(loader: Any) -> GlobalOrderSampler | None:
+def loader_sampler(loader: Any) -> GlobalOrderSampler | None:
+    """The loader's :class:`~lit_ddp.data.samplers.GlobalOrderSampler` (its sampler, or its batch sampler's), if any."""
     for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         if isinstance(sampler, GlobalOrderSampler):
             return sampler
@@ -178,6 +160,32 @@ def first_mismatch(promised: dict[str, Any], restored: dict[str, Any]) -> str | 
         if not same:
             return name
     return None
+
+
+def verify(
+    trainer: Trainer,
+    pl_module: LightningModule,
+    promised: dict[str, Any],
+    rng: dict[str, Any],
+    positions: list[dict[str, Any] | None] | None,
+) -> None:
+    """The restore check of a resume, on every rank: ``promised`` (:func:`promised`, at load) against the live
+    state (:func:`restored`, with ``rng`` this rank's RNG states now); under FSDP2 and tensor parallelism this rank's
+    shards against the checkpoint read again (:func:`sharded_states`); the loaders' ``positions`` as the save
+    recorded them, where the resume continues an epoch. Collective.
+
+    Raises:
+        RestoreMismatchError: see :func:`check`.
+    """
+    plain = plain_tensors(pl_module)
+    live = restored(trainer, pl_module, rng, tensors=plain)
+    if not plain and (shards := sharded_states(trainer)) is not None:
+        promised.update(shards[0])
+        live.update(shards[1])
+    if positions:
+        add_positions(promised, positions)
+        add_positions(live, live_positions(trainer, positions))
+    check(promised, live, str(trainer.ckpt_path))
 
 
 def check(promised: dict[str, Any] | None, restored: dict[str, Any], path: str) -> None:

@@ -1,4 +1,4 @@
-"""lit_ddp.resilience.resume_state: RNG states per rank, the CUDA one of the rank's own device only (issue 21,
+"""lit_ddp.resilience.restore: RNG states per rank, the CUDA one of the rank's own device only (issue 21,
 item 7), restored with fewer visible GPUs than were saved; simulated on CPU."""
 
 from __future__ import annotations
@@ -9,20 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from lit_ddp.resilience.resume_state import (
+from lit_ddp.resilience.restore import (
     ResumeState,
-    collect_rng_states,
+    capture_rng,
     metric_states,
     restore_metric_states,
-    restore_rng_states,
+    restore_rng,
 )
 
 
 def test_cpu_states_roundtrip() -> None:
-    states = collect_rng_states(torch.device("cpu"))
+    states = capture_rng(torch.device("cpu"))
     assert "cuda_device" not in states and "torch.cuda" not in states
     expected = (torch.rand(2), np.random.rand(), random.random())
-    restore_rng_states(states, torch.device("cpu"))
+    restore_rng(states, torch.device("cpu"))
     got = (torch.rand(2), np.random.rand(), random.random())
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
 
@@ -48,9 +48,9 @@ def test_only_the_own_device_is_saved_and_restored(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
     monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
     gpu0 = torch.device("cuda", 0)
-    states = collect_rng_states(gpu0)
+    states = capture_rng(gpu0)
     assert torch.equal(states["cuda_device"], torch.arange(4, dtype=torch.uint8))
-    restore_rng_states(states, gpu0)
+    restore_rng(states, gpu0)
     assert len(fake.set_calls) == 1 and fake.set_calls[0][1] == gpu0
 
 
@@ -59,9 +59,9 @@ def test_an_every_gpu_checkpoint_resumes_on_fewer_gpus(monkeypatch: pytest.Monke
     rank's entry goes to its one device; Lightning's set_rng_state_all would index GPUs that do not exist."""
     fake = FakeCuda()
     monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
-    old = collect_rng_states(torch.device("cpu"))
+    old = capture_rng(torch.device("cpu"))
     old["torch.cuda"] = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
-    restore_rng_states(old, torch.device("cuda", 0), local_rank=5)
+    restore_rng(old, torch.device("cuda", 0), local_rank=5)
     [(state, device)] = fake.set_calls
     assert device.index == 0 and torch.equal(state, torch.full((4,), 5, dtype=torch.uint8))
 
@@ -97,7 +97,7 @@ def test_an_epoch_metric_continues_from_its_saved_sums() -> None:
 def test_state_dict_roundtrip_and_an_older_entry() -> None:
     """The four entries go into the checkpoint as they are and come back; an entry written before ``positions`` and
     ``metrics`` were recorded loads with them None (nothing to compare, nothing to restore)."""
-    rng = collect_rng_states(torch.device("cpu"))
+    rng = capture_rng(torch.device("cpu"))
     state = ResumeState(rng, [{"_num_yielded": 3}], [{"epoch": 0, "consumed": 96, "next_indices": [4, 1]}], {})
     loaded = ResumeState()
     loaded.load_state_dict(state.state_dict())
