@@ -4,8 +4,7 @@ plain loop trains with exactly what the Lightning job trains with.
 
 Sources: minGPT's AdamW groups (``GPT.configure_optimizers``), nanoGPT's ``get_lr`` (``train.py``), both Andrej
 Karpathy's (MIT); Muon is Keller Jordan's ("Muon: An optimizer for hidden layers in neural networks", 2024;
-modded-nanogpt's speedrun records 3-4), ``torch.optim.Muon``'s math with each shape's matrices stacked
-(:mod:`lit_ddp.muon`).
+modded-nanogpt's speedrun records 3-4), as ``torch.optim.Muon``.
 """
 
 from __future__ import annotations
@@ -17,9 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LambdaLR, LinearLR, LRScheduler, SequentialLR
-
-from lit_ddp import compat
-from lit_ddp.muon import BatchedMuon
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -120,8 +116,6 @@ def build_optimizer(
     muon_learning_rate: float = 0.02,
     muon_momentum: float = 0.95,
     muon_weight_decay: float = 0.0,
-    batched_muon: bool = True,
-    adamw_fused: bool | None = None,
 ) -> torch.optim.Optimizer:
     """The GPT's optimizer; each group's ``lr`` is its peak rate (:func:`warmup_cosine_schedule` scales it).
 
@@ -129,13 +123,6 @@ def build_optimizer(
     ``"muon"``: Muon over the blocks' matrices (group ``muon``) and AdamW over the rest of those groups
     (``adamw_decay``, ``adamw_no_decay``), as one :class:`OptimizerChain` (``lr-OptimizerChain/muon``, ...).
     ``learning_rate``, ``weight_decay`` and ``betas`` are AdamW's; ``muon_*`` are Muon's.
-
-    Muon is :class:`lit_ddp.muon.BatchedMuon` (each shape's matrices orthogonalized together), or
-    ``torch.optim.Muon`` where this torch's own batches (:func:`lit_ddp.compat.torch_muon_is_batched`) or
-    ``batched_muon`` is False (today's per-matrix loop, for comparison: ``bench/launches.py``); both keep the same
-    state. AdamW beside it is ``fused`` where ``adamw_fused`` says so, by default where every parameter is on a CUDA
-    device, else ``foreach`` (on a CPU the same numbers as torch's default per-parameter loop, in fewer dispatched
-    ops; CPU's fused kernel rounds differently, by an ulp). Loading a state keeps this choice, not the saved one.
 
     Raises:
         ValueError: an unknown ``optimizer``.
@@ -152,22 +139,9 @@ def build_optimizer(
         for g, kind in zip(groups, ("decay", "no_decay"), strict=True)
     ]
     group = {"params": hidden, "name": "muon"}
-    muon_class = BatchedMuon if batched_muon and not compat.torch_muon_is_batched() else torch.optim.Muon
-    muon = muon_class([group], lr=muon_learning_rate, momentum=muon_momentum, weight_decay=muon_weight_decay)
-    if adamw_fused is None:
-        adamw_fused = bool(others) and all(p.device.type == "cuda" for p in others)
-    kernel = {"fused": True} if adamw_fused else {"foreach": True}
-    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=betas, **kernel)
-    adamw.register_load_state_dict_pre_hook(_keep_kernel)
+    muon = torch.optim.Muon([group], lr=muon_learning_rate, momentum=muon_momentum, weight_decay=muon_weight_decay)
+    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=betas)
     return OptimizerChain([muon, adamw])
-
-
-def _keep_kernel(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A state to load with this optimizer's ``fused`` and ``foreach``, not the saved ones: the device a run is on
-    chooses the kernel (a checkpoint of a CPU run resumed on a GPU steps fused; ``step`` then moves to the device)."""
-    mine = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
-    groups = [{**saved, **kernel} for saved, kernel in zip(state_dict["param_groups"], mine, strict=False)]
-    return {**state_dict, "param_groups": groups + state_dict["param_groups"][len(groups) :]}
 
 
 def check_schedule(warmup_steps: int, decay_steps: int | None, min_lr_ratio: float) -> None:

@@ -1,8 +1,10 @@
-"""Monitoring callbacks the configs name: text samples and token throughput; and the model summary the CLI puts
-in place of Lightning's. (The callbacks that make a run survive are in :mod:`lit_ddp.resilience`.)"""
+"""Monitoring callbacks the configs name: text samples and token throughput; the GPU main job's batched optimizer
+step; and the model summary the CLI puts in place of Lightning's. (The callbacks that make a run survive are in
+:mod:`lit_ddp.resilience`.)"""
 
+from lit_ddp.callbacks.batched_step import BatchedOptimizerStep
 from lit_ddp.callbacks.model_summary import MixedPrecisionModelSummary
 from lit_ddp.callbacks.text_samples import TextSampleCallback
 from lit_ddp.callbacks.throughput import TokenThroughputMonitor
 
-__all__ = ["MixedPrecisionModelSummary", "TextSampleCallback", "TokenThroughputMonitor"]
+__all__ = ["BatchedOptimizerStep", "MixedPrecisionModelSummary", "TextSampleCallback", "TokenThroughputMonitor"]

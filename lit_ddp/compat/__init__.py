@@ -58,6 +58,7 @@ from lit_ddp.compat.lightning_names import (
     threads_like_rank_zero,
 )
 from lit_ddp.compat.torch import (
+    BatchedMuon,
     dcp_full_state_planner,
     dcp_private_metadata_classes,
     dcp_storage_extents,
@@ -74,6 +75,7 @@ from lit_ddp.compat.torch import (
 )
 
 __all__ = [
+    "BatchedMuon",
     "LIGHTNING_RECOUNTS_EPOCH_END",
     "LIGHTNING_REKEYS_BY_MODEL_ORDER",
     "LIGHTNING_VERSION",

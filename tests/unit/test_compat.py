@@ -466,10 +466,10 @@ def test_rekey_optimizer_states_by_groups() -> None:
 
 
 def test_torchs_muon_has_no_batched_step() -> None:
-    """What :class:`lit_ddp.muon.BatchedMuon` stands in for: torch 2.9 to 2.15's Muon takes no ``foreach`` (open pull
-    requests pytorch/pytorch#195566, #187131 add one). Where this fails, build_optimizer takes torch's Muon: check
-    that it orthogonalizes each shape's matrices together (tests/unit/test_muon.py's aten-op count) before the
-    versions here and in compat.torch_muon_is_batched change."""
+    """What :class:`compat.BatchedMuon` stands in for: torch 2.9 to 2.15's Muon takes no ``foreach`` (open pull
+    requests pytorch/pytorch#195566, #187131 add one). Where this fails, gpu.yaml's BatchedOptimizerStep keeps torch's
+    Muon: check that it orthogonalizes each shape's matrices together (tests/unit/test_muon.py's aten-op count)
+    before the versions here and in compat.torch_muon_is_batched change."""
     there = not compat.torch_muon_is_batched()
     assert there, known("torch's Muon without a batched step", there, True)
 
