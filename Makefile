@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic bench-restore bench-chaos-spread bench-compile-restart clean
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic bench-restore bench-chaos-spread bench-compile-restart bench-launches clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -86,6 +86,11 @@ bench-chaos-spread: venv
 # on-disk caches, side by side (about 3 minutes).
 bench-compile-restart: venv
 	$(BIN)/python -m bench.compile_restart $(BENCH_ARGS)
+
+# The GPU main job's kernel launches counted on this CPU: aten ops and ms per optimizer step and per training step of
+# gpu.yaml's model, torch's Muon against BatchedMuon (about a minute).
+bench-launches: venv
+	$(BIN)/python -m bench.launches $(BENCH_ARGS)
 
 # FSDP2 against DDP: bytes per rank (tutorial-size GPT, 1 and 2 processes) and step time side by side (~10 min).
 bench-fsdp: venv
