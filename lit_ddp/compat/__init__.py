@@ -1,6 +1,17 @@
-"""Every use of Lightning's and torch's private internals, in one place: ``lightning.py`` (every read or write of
-another object's private attribute), ``lightning_names.py`` (Lightning's private functions and methods) and
-``torch.py`` (torch's private functions), re-exported here (``from lit_ddp import compat; compat.should_accumulate(trainer)``).
+"""Every use of Lightning's and torch's private internals, one module per thing it patches, re-exported here
+(``from lit_ddp import compat; compat.should_accumulate(trainer)``):
+
+- ``loops.py``: Lightning's training loop (the restart position, when a batch steps and validates, the loaders);
+- ``checkpoints.py``: Lightning's checkpointing (the checkpoint ``fit`` resolves to, ``ModelCheckpoint``'s state,
+  asynchronous writes, optimizer states and RNG states in a checkpoint, object stores);
+- ``strategies.py``: Lightning's strategies (timeout, backend, threads, DDP's stream, precision, mesh sizes);
+- ``logging.py``: Lightning's logging and TensorBoard's writer;
+- ``signals.py``: Lightning's signal handling;
+- ``torch.py``: torch's own (torchdata's loader state, the c10d store and timeout, distributed checkpoint metadata,
+  DTensor's strided shards);
+- ``muon.py``: torch's Muon stepped in batches (:class:`~lit_ddp.compat.muon.BatchedMuon`), where torch has no
+  batched step yet;
+- ``imports.py``: the installed versions and the one way a private name is imported.
 
 Each function names what it works around (an upstream issue or PR where there is one); a workaround of a bug states
 the torch or Lightning versions known to have it and turns itself off where a version has fixed it (by a version
@@ -12,65 +23,73 @@ the version and what is missing, and not every command at import. Nothing else i
 object's ``_private`` attribute.
 """
 
-from lit_ddp.compat.imports import LIGHTNING_VERSION, TORCH_VERSION
-from lit_ddp.compat.lightning import (
-    LIGHTNING_RECOUNTS_EPOCH_END,
+from lit_ddp.compat.checkpoints import (
     LIGHTNING_REKEYS_BY_MODEL_ORDER,
-    after_lightning_signal_handlers,
-    batches_that_stepped,
     checkpoint_state_key,
     collect_rng_states,
-    default_hp_metric,
-    disable_sigterm_broadcast,
-    exit_now,
-    fix_last_batch_restart,
-    flatten_hparams,
     hpc_save_path,
     install_resume_resolver,
+    is_object_storage,
     last_saved_step,
+    rekey_optimizer_states_by_groups,
+    save_last_checkpoint,
+    set_rng_states,
+    wait_for_async_writes,
+)
+from lit_ddp.compat.imports import LIGHTNING_VERSION, TORCH_VERSION
+from lit_ddp.compat.logging import (
+    default_hp_metric,
+    flatten_hparams,
     log_metrics,
     pending_train_step_log,
-    rekey_optimizer_states_by_groups,
-    restore_train_loaders,
-    save_last_checkpoint,
-    set_batches_that_stepped,
-    set_model_parallel_sizes,
-    set_rng_states,
-    set_strategy_timeout,
-    should_accumulate,
     should_update_logs,
     tensorboard_file_writer,
     tensorboard_hparams,
+)
+from lit_ddp.compat.loops import (
+    LIGHTNING_RECOUNTS_EPOCH_END,
+    batches_that_stepped,
+    fix_last_batch_restart,
+    restore_loop_position,
+    restore_train_loaders,
+    set_batches_that_stepped,
+    should_accumulate,
+    show_resumed_epoch,
     train_loader_states,
     train_loaders,
     undo_epoch_end_recount,
     validation_due,
-    wait_for_async_writes,
 )
-from lit_ddp.compat.lightning_names import (
+from lit_ddp.compat.muon import (
+    BatchedMuon,
+    muon_per_matrix,
+    torch_muon_is_batched,
+)
+from lit_ddp.compat.signals import (
+    after_lightning_signal_handlers,
+    disable_sigterm_broadcast,
+    exit_now,
+)
+from lit_ddp.compat.strategies import (
     DDPOnTheTrainingStream,
     compute_dtype,
-    is_object_storage,
     process_group_backend,
-    restore_loop_position,
-    show_resumed_epoch,
+    set_model_parallel_sizes,
+    set_strategy_timeout,
     strategy_timeout,
     threads_like_rank_zero,
 )
 from lit_ddp.compat.torch import (
-    BatchedMuon,
     dcp_full_state_planner,
     dcp_private_metadata_classes,
     dcp_storage_extents,
     default_store,
     is_strided_shard,
     loader_workers,
-    muon_per_matrix,
     sampler_state,
     set_process_group_timeout,
     strided_rows_survive_linear,
     strided_shard,
-    torch_muon_is_batched,
     worker_seed,
 )
 

@@ -59,7 +59,7 @@ def test_lightning_still_broadcasts_sigterm_before_every_step(trainer: Trainer) 
     assert there == LIGHTNING_2_6, known("the per-step SIGTERM broadcast", there, LIGHTNING_2_6)
     assert compat.disable_sigterm_broadcast(trainer) is there
     if there:
-        assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is compat.lightning._no_sigterm_broadcast
+        assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is compat.signals._no_sigterm_broadcast
 
 
 def test_train_loader_internals(trainer: Trainer) -> None:

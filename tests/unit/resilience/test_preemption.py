@@ -102,7 +102,7 @@ def test_lightnings_per_step_sigterm_broadcast_goes_when_we_own_sigterm() -> Non
         for handle_sigterm in (True, False):
             trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
             PreemptionCheckpoint(handle_sigterm=handle_sigterm).on_train_start(trainer, None)
-            turned_off = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is compat.lightning._no_sigterm_broadcast
+            turned_off = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is compat.signals._no_sigterm_broadcast
             assert turned_off is handle_sigterm
     finally:
         for signum, handler in saved.items():

@@ -1,7 +1,5 @@
-"""Lightning's private functions and methods that the package uses, and what it composes from the private
-attributes (:mod:`lit_ddp.compat.lightning`, which also states the conventions): strategies' timeouts, threads
-and how ``DDPStrategy`` wraps the model; the loop position a resume restores; the precision plugin's dtype; object
-stores."""
+"""Lightning's strategies: the process group's timeout and backend, threads per process, the stream DDP is built on,
+the precision plugin's compute dtype, and ``ModelParallelStrategy``'s mesh sizes."""
 
 from __future__ import annotations
 
@@ -9,12 +7,9 @@ from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp.compat.imports import private
-from lit_ddp.compat.lightning import fix_last_batch_restart, restore_train_loaders, undo_epoch_end_recount
 
 
 def strategy_timeout(strategy: Any) -> timedelta | None:
@@ -22,6 +17,12 @@ def strategy_timeout(strategy: Any) -> timedelta | None:
     ``_timeout``, as FSDPStrategy and ModelParallelStrategy do, and has no getter); None for one without."""
     timeout = getattr(strategy, "_timeout", None)
     return timeout if isinstance(timeout, timedelta) else None
+
+
+def set_strategy_timeout(strategy: Any, timeout: timedelta) -> None:
+    """Makes the strategy create its process group with ``timeout`` (before ``setup_environment``); Lightning
+    takes one timeout, for the rendezvous and every collective alike."""
+    strategy._timeout = timeout
 
 
 def process_group_backend(strategy: Any) -> str:
@@ -65,9 +66,6 @@ class DDPOnTheTrainingStream(DDPStrategy):
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
 
-# ---- the loops, the precision plugin and file systems
-
-
 def compute_dtype(trainer: Trainer) -> Any:
     """The dtype the trainer's precision plugin computes matrix products in (bf16 under ``bf16-mixed``), as Lightning's
     ThroughputMonitor picks its peak FLOP/s by; Lightning keeps the mapping private."""
@@ -75,46 +73,9 @@ def compute_dtype(trainer: Trainer) -> Any:
     return plugin_dtype(trainer.precision_plugin)
 
 
-def show_resumed_epoch(trainer: Trainer, batch_idx: int) -> None:
-    """Give the progress bar of an epoch resumed mid-way its epoch, total and ETA, starting at ``batch_idx``.
-
-    Lightning from 2.5 (2.6.6 measured) skips ``on_train_epoch_start`` when it resumes mid-epoch, and that hook is where
-    ``TQDMProgressBar`` sets the epoch's total and description, so the resumed epoch shows ``Training: | 160/?``
-    without an ETA (Lightning-AI/pytorch-lightning#20603; fix proposed in #21806). Call it at the resumed
-    epoch's first batch; it does nothing where the hook ran (the bar has a total) or another bar is used. The
-    bar starts at ``batch_idx``, so its rate and ETA count this run's batches only.
-    """
-    callback = trainer.progress_bar_callback
-    if not isinstance(callback, TQDMProgressBar) or callback.is_disabled:
-        return
-    bar = callback.train_progress_bar
-    if bar.total is not None:
-        return
-    total = callback.total_train_batches  # by max_steps: the steps left, as if the epoch began at this batch
-    if trainer.max_epochs == -1 and trainer.max_steps > 0:
-        total = min(trainer.num_training_batches, batch_idx + total)
-    bar.reset(total=convert_inf(total))
-    bar.initial = bar.n = batch_idx
-    bar.set_description(f"Epoch {trainer.current_epoch}")
-
-
-def restore_loop_position(trainer: Trainer, loader_states: list[dict[str, Any]]) -> tuple[bool, bool]:
-    """Puts the fit loop where the checkpoint left it, at ``on_train_start`` of a resume (a fresh fit is left as it
-    is): :func:`fix_last_batch_restart`, then on a mid-epoch restart the train loaders rebuilt from this rank's
-    ``loader_states`` (:func:`restore_train_loaders`; none: Lightning's restore stands), then
-    :func:`undo_epoch_end_recount`. The one call through which a resume reaches the loops' private state.
-    Returns ``(mid_epoch, epoch_over)``: whether Lightning restarted mid-epoch, and whether that epoch had ended
-    (the checkpoint was written after its last batch)."""
-    fit_loop = trainer.fit_loop
-    mid_epoch = fit_loop.restarted_mid_epoch
-    epoch_over = fix_last_batch_restart(trainer)
-    if loader_states and mid_epoch:
-        # Lightning annotates `current` as a _ReadyCompletedTracker; the fit loop's is a _ProcessedTracker.
-        restore_train_loaders(trainer, loader_states, fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
-    undo_epoch_end_recount(trainer)
-    return mid_epoch, epoch_over
-
-
-def is_object_storage(fs: Any) -> bool:
-    """Whether an fsspec filesystem is an object store (s3, gs, az...): Lightning's own test."""
-    return bool(private("lightning.fabric.utilities.cloud_io", "_is_object_storage")(fs))
+def set_model_parallel_sizes(strategy: Any, data_parallel_size: int, tensor_parallel_size: int) -> None:
+    """Gives a ``ModelParallelStrategy`` its mesh sizes before ``setup_environment`` builds the mesh: its "auto"
+    data-parallel size is ``num_nodes`` (tensor parallel within a node), where FSDP2 alone wants every process,
+    and the world size is known only once the Trainer has set the devices (no public setter)."""
+    strategy._data_parallel_size = data_parallel_size
+    strategy._tensor_parallel_size = tensor_parallel_size

@@ -1,0 +1,161 @@
+"""Lightning's training loop: the position a resume restores (the batch, the epoch's end, the train loaders'
+states), when a batch steps the optimizer or validates, and the step a batch is logged at. Lightning 2.6 has no
+public API for them; two of its bugs are mended here, each on the versions known to have it
+(:data:`LIGHTNING_RECOUNTS_EPOCH_END`, :func:`fix_last_batch_restart`), and ``tests/unit/test_compat.py`` shows on
+any version whether each is still there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
+
+from lit_ddp.compat.imports import lightning_minor, private
+
+LIGHTNING_RECOUNTS_EPOCH_END = lightning_minor(2, 6)
+""":func:`undo_epoch_end_recount`'s bug: measured on Lightning 2.6.6; off on another minor until its test_compat
+run shows the bug there."""
+
+
+def should_accumulate(trainer: Trainer) -> bool:
+    """Whether the batch that just ran only accumulates gradients (no optimizer step follows it).
+
+    Lightning decides this in ``TrainingEpochLoop._should_accumulate`` and exposes no public flag.
+    """
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def validation_due(trainer: Trainer) -> bool:
+    """Whether Lightning runs validation after the current training batch (asked in ``on_train_batch_end``)."""
+    fit_loop, data_fetcher = trainer.fit_loop, trainer.fit_loop._data_fetcher
+    return data_fetcher is not None and bool(fit_loop.epoch_loop._should_check_val_fx(data_fetcher))
+
+
+def batches_that_stepped(trainer: Trainer) -> int:
+    """The step the logger writes under: Lightning's count of batches that stepped an optimizer."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def set_batches_that_stepped(trainer: Trainer, value: int) -> None:
+    """Sets the step the logger writes under (see :func:`batches_that_stepped`)."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = value
+
+
+def undo_epoch_end_recount(trainer: Trainer) -> None:
+    """Takes back the second count of an epoch when Lightning restarts from a checkpoint written in
+    ``on_train_epoch_end`` of a run bounded by ``max_steps``.
+
+    Lightning 2.6 runs that epoch's end again on restart (``_FitLoop.on_advance_end``; with ``max_epochs``,
+    ``_FitLoop.on_run_start`` marks the epoch completed instead) and counts the epoch as processed a second time:
+    the sampler of every later epoch gets the next epoch's order (``set_epoch(epoch_progress.current.processed)``).
+    Its ``_batches_that_stepped`` then gains one too, or not, depending on where validation ran
+    (:func:`set_batches_that_stepped` puts it right). Called at ``on_train_start``; does nothing for any other
+    restart, and on a Lightning outside :data:`LIGHTNING_RECOUNTS_EPOCH_END` (it would take back a count made
+    once). No upstream issue reports it; ``tests/unit/test_compat.py`` shows whether the recount is there.
+    """
+    fit_loop = trainer.fit_loop
+    if LIGHTNING_RECOUNTS_EPOCH_END and fit_loop.restarted_on_epoch_end and fit_loop._iteration_based_training():
+        # The fit loop's trackers are _ProcessedTrackers; Lightning annotates them as _ReadyCompletedTrackers.
+        fit_loop.epoch_progress.total.processed -= 1  # type: ignore[attr-defined]
+        fit_loop.epoch_progress.current.processed -= 1  # type: ignore[attr-defined]
+
+
+def fix_last_batch_restart(trainer: Trainer) -> bool:
+    """Counts the next epoch as started when Lightning restarts from a checkpoint written in ``on_train_batch_end``
+    of an epoch's last batch (a step or time trigger that falls on it); returns whether it was that restart.
+
+    Lightning 2.6's ``_FitLoop.reset`` then counts the saved epoch as processed and completed but leaves the restart
+    stage at "mid-epoch", so ``_FitLoop.on_advance_start`` of the next epoch counts it neither ready nor started and
+    skips ``on_train_epoch_start``; and ``restarting`` stays set through that epoch, so its end steps no
+    epoch-interval LR scheduler. Every later checkpoint of that run holds an epoch that is ready as many times as it
+    is processed, which the next restart reads as no restart at all: it trains that epoch again from its first batch
+    on top of the saved global_step (a 28-batch epoch resumed after batch 26: 26 extra steps, every later epoch off).
+    Called at ``on_train_start``, after the restore; it clears the restart on the fit loop only, so the next epoch
+    starts as in an uninterrupted run. Measured on Lightning 2.6.6; it acts only on the state the bug leaves (a
+    "mid-epoch" restart whose epoch is processed as often as started), so a Lightning that starts that epoch turns
+    it off. No upstream issue reports it; ``tests/unit/test_compat.py`` shows whether it is there.
+    """
+    fit_loop = trainer.fit_loop
+    progress = fit_loop.epoch_progress.current
+    # Lightning's trackers here are _ProcessedTrackers; it annotates them as _ReadyCompletedTrackers.
+    if not (fit_loop.restarted_mid_epoch and progress.processed == progress.started):  # type: ignore[attr-defined]
+        return False
+    fit_loop.reset_restart_stage()
+    fit_loop._restarting = False  # the fit loop's own flag: its child loops still finish their restart
+    return True
+
+
+def train_loaders(trainer: Trainer) -> list[Any]:
+    """The train DataLoaders of the fit loop (empty before they exist)."""
+    combined_loader = trainer.fit_loop._combined_loader
+    return list(combined_loader.flattened) if combined_loader is not None else []
+
+
+def train_loader_states(trainer: Trainer) -> list[dict[str, Any]]:
+    """This rank's ``state_dict()`` of every train loader (``StatefulDataLoader``), as Lightning saves rank zero's."""
+    combined_loader = trainer.fit_loop._combined_loader
+    return combined_loader._state_dicts() if combined_loader is not None else []
+
+
+def restore_train_loaders(trainer: Trainer, states: list[dict[str, Any]], epoch: int) -> bool:
+    """Rebuilds the train loader iterator of a mid-epoch resume from ``states`` with the samplers at ``epoch``.
+
+    Lightning rebuilds the iterator before it sets the sampler's epoch, so the rest of the epoch comes from
+    epoch 0's permutation, and skips the loader state altogether when ``trainer.estimated_stepping_batches``
+    was read before the restore (Lightning issue 20550; both measured on Lightning 2.6.6). It also restores this
+    rank's own states, where Lightning restores rank zero's on every rank, so it runs on any version: where Lightning
+    restored right, it builds the same iterator again. Returns whether there was a loader to restore.
+    """
+    fit_loop = trainer.fit_loop
+    combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+    if combined_loader is None or fetcher is None:
+        return False
+    set_sampler_epoch = private("lightning.fabric.utilities.data", "_set_sampler_epoch")
+    for dl in combined_loader.flattened:
+        set_sampler_epoch(dl, epoch)
+    combined_loader._load_state_dicts(states)
+    fit_loop._combined_loader_states_to_load = []
+    iter(fetcher)  # a fresh iterator from the restored position
+    return True
+
+
+def restore_loop_position(trainer: Trainer, loader_states: list[dict[str, Any]]) -> tuple[bool, bool]:
+    """Puts the fit loop where the checkpoint left it, at ``on_train_start`` of a resume (a fresh fit is left as it
+    is): :func:`fix_last_batch_restart`, then on a mid-epoch restart the train loaders rebuilt from this rank's
+    ``loader_states`` (:func:`restore_train_loaders`; none: Lightning's restore stands), then
+    :func:`undo_epoch_end_recount`. The one call through which a resume reaches the loops' private state.
+    Returns ``(mid_epoch, epoch_over)``: whether Lightning restarted mid-epoch, and whether that epoch had ended
+    (the checkpoint was written after its last batch)."""
+    fit_loop = trainer.fit_loop
+    mid_epoch = fit_loop.restarted_mid_epoch
+    epoch_over = fix_last_batch_restart(trainer)
+    if loader_states and mid_epoch:
+        # Lightning annotates `current` as a _ReadyCompletedTracker; the fit loop's is a _ProcessedTracker.
+        restore_train_loaders(trainer, loader_states, fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+    undo_epoch_end_recount(trainer)
+    return mid_epoch, epoch_over
+
+
+def show_resumed_epoch(trainer: Trainer, batch_idx: int) -> None:
+    """Give the progress bar of an epoch resumed mid-way its epoch, total and ETA, starting at ``batch_idx``.
+
+    Lightning from 2.5 (2.6.6 measured) skips ``on_train_epoch_start`` when it resumes mid-epoch, and that hook is where
+    ``TQDMProgressBar`` sets the epoch's total and description, so the resumed epoch shows ``Training: | 160/?``
+    without an ETA (Lightning-AI/pytorch-lightning#20603; fix proposed in #21806). Call it at the resumed
+    epoch's first batch; it does nothing where the hook ran (the bar has a total) or another bar is used. The
+    bar starts at ``batch_idx``, so its rate and ETA count this run's batches only.
+    """
+    callback = trainer.progress_bar_callback
+    if not isinstance(callback, TQDMProgressBar) or callback.is_disabled:
+        return
+    bar = callback.train_progress_bar
+    if bar.total is not None:
+        return
+    total = callback.total_train_batches  # by max_steps: the steps left, as if the epoch began at this batch
+    if trainer.max_epochs == -1 and trainer.max_steps > 0:
+        total = min(trainer.num_training_batches, batch_idx + total)
+    bar.reset(total=convert_inf(total))
+    bar.initial = bar.n = batch_idx
+    bar.set_description(f"Epoch {trainer.current_epoch}")
