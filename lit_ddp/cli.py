@@ -49,6 +49,7 @@ from lit_ddp.launch.environment import (
 )
 from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
 from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
+from lit_ddp.launch.variables import check_launch_variables
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
@@ -357,6 +358,7 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
     silence_library_noise()
 
     def run() -> LitDDPCLI:
+        check_launch_variables()
         check_config_files(argv)
         # args=None lets LightningCLI read sys.argv itself (passing both makes it warn).
         return LitDDPCLI(args=None if args is None else argv)

@@ -1,12 +1,15 @@
 """The errors lit-ddp reports itself: one line, no traceback, and the exit status each class carries.
 
 Everything else keeps its traceback (:mod:`lit_ddp.launch.reporting`). Standard library only and importing
-nothing of the package, so any layer can raise these without importing a layer above it.
+nothing of the package, so any layer can raise these without importing a layer above it; for the same reason the
+one parse of an integer environment variable, :func:`int_from_env`, is here: its error names the variable.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+from collections.abc import Mapping
 
 
 class LitDDPError(Exception):
@@ -49,3 +52,32 @@ class Preempted(LitDDPError):
         name = signal.Signals(signum).name
         action = "the job is requeued" if requeued else "re-run the same command to resume"
         super().__init__(f"stopped by {name} at a step boundary; saved {path}; {action}")
+
+
+def int_from_env(name: str, env: Mapping[str, str] | None = None, minimum: int = 0, meaning: str = "") -> int | None:
+    """The environment variable ``name`` (of ``env``, default ``os.environ``) as an integer; None when it is unset.
+
+    Args:
+        name: the variable.
+        env: the environment; defaults to ``os.environ``.
+        minimum: the smallest value allowed.
+        meaning: what the variable holds and who sets it, for the message.
+
+    Raises:
+        UsageError: it is set but not a whole number ``>= minimum`` (an empty value included), naming the variable
+            and its value.
+    """
+    value = (os.environ if env is None else env).get(name)
+    if value is None:
+        return None
+    try:
+        number: int | None = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        what = f" ({meaning})" if meaning else ""
+        raise UsageError(
+            f"{name}={value!r} is not a whole number >= {minimum}{what}: unset it, or give it a number such as "
+            f"{name}={minimum}"
+        )
+    return number

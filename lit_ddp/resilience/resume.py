@@ -14,7 +14,6 @@ hyperparameters (:func:`warn_changed_hyperparameters`), the optimizers' and LR s
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_ddp import compat
-from lit_ddp.errors import NoValidCheckpointError, ResumePointError
+from lit_ddp.errors import NoValidCheckpointError, ResumePointError, int_from_env
 from lit_ddp.run_dir import layout, untrusted
 from lit_ddp.run_dir.checkpoints import (
     checkpoint_header,
@@ -189,9 +188,12 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | None, fit: bool) -> str
 
 def restart_count(env: Mapping[str, str] | None = None) -> int:
     """How many times the launcher has restarted this job: torchrun's ``TORCHELASTIC_RESTART_COUNT`` plus
-    Slurm's ``SLURM_RESTART_COUNT`` (requeues); 0 for its first attempt."""
-    env = os.environ if env is None else env
-    return sum(int(env.get(key) or 0) for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    Slurm's ``SLURM_RESTART_COUNT`` (requeues); 0 for its first attempt.
+
+    Raises:
+        UsageError: one of them is not a whole number (named).
+    """
+    return sum(int_from_env(key, env) or 0 for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
 def warn_changed_hyperparameters(path: str, configured: dict[str, Any]) -> list[str]:
