@@ -22,7 +22,8 @@ nothing already saved is touched and no process is left waiting for a peer (:fun
   - a Slurm node whose GPUs (``SLURM_GPUS_ON_NODE``) are not one per task.
 - the trainer against this machine (:func:`check_trainer`): more CPU processes for Lightning to start than the
   cores this process may use (its CPU affinity: a container's binding), fp16 on CPU;
-- a user-set ``MASTER_PORT`` that is busy (:func:`check_master_port`);
+- a user-set ``MASTER_ADDR`` that does not resolve (:func:`check_master_addr`) and a ``MASTER_PORT`` that is busy
+  (:func:`check_master_port`);
 - an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -256,6 +258,41 @@ def check_master_port(env: dict[str, str] | None = None) -> None:
             ) from None
 
 
+RESOLVE_TIMEOUT = 10.0
+"""Seconds :func:`check_master_addr` waits for ``MASTER_ADDR`` to resolve (a resolver that does not answer)."""
+
+
+def check_master_addr(env: Mapping[str, str] | None = None, timeout: float = RESOLVE_TIMEOUT) -> None:
+    """Checks that a set ``MASTER_ADDR`` resolves to an address, within ``timeout`` seconds: every process would
+    otherwise retry the name until the rendezvous timed out (minutes), printing torch's warnings.
+
+    Raises:
+        UsageError: the name does not resolve, or the resolver did not answer in time.
+    """
+    env = os.environ if env is None else env
+    addr = env.get("MASTER_ADDR")
+    if not addr:  # unset or empty: loopback (lit_ddp.launch.loopback)
+        return
+    failed: list[str] = []
+    done = threading.Event()
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(addr.strip("[]"), None)
+        except (OSError, UnicodeError) as e:
+            failed.append(str(getattr(e, "strerror", None) or e))
+        done.set()
+
+    threading.Thread(target=resolve, name="resolve MASTER_ADDR", daemon=True).start()
+    if not done.wait(timeout):
+        failed.append(f"no answer from the resolver within {timeout:g} s")
+    if failed:
+        raise UsageError(
+            f"MASTER_ADDR={addr!r} does not resolve to an address ({failed[0]}): give the host name or IP address "
+            "of the machine of rank zero (127.0.0.1 on one machine), or unset it"
+        )
+
+
 def check_ckpt_path(ckpt_path: str | None) -> None:
     """Checks an explicit ``--ckpt_path`` before training starts (Lightning would fail after launching).
 
@@ -281,7 +318,7 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
 
 
 def run_preflight(trainer: Any, env: Mapping[str, str] | None = None) -> None:
-    """The checks of the trainer config, in the order a user meets the problems: launch, machine, port.
+    """The checks of the trainer config, in the order a user meets the problems: launch, machine, address, port.
     (``--ckpt_path`` is checked earlier, when the CLI parses it: :func:`check_ckpt_path`.)
 
     Args:
@@ -293,6 +330,7 @@ def run_preflight(trainer: Any, env: Mapping[str, str] | None = None) -> None:
     """
     check_launch(trainer, env)
     check_trainer(trainer, env=env)
+    check_master_addr(env)
     check_master_port(None if env is None else dict(env))
 
 

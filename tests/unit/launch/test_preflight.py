@@ -183,3 +183,35 @@ def test_the_core_check_counts_the_cpus_this_process_may_use(monkeypatch: pytest
     assert preflight.usable_cpus() == 2
     with pytest.raises(UsageError, match=r"trainer.devices=3 but this process may use 2 CPU core\(s\)"):
         preflight.check_trainer({"devices": 3, "accelerator": "cpu"}, env={})
+
+
+# ---- the rendezvous address
+
+
+def test_an_unresolvable_master_addr_is_refused_at_once(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """A MASTER_ADDR that names no host had every process retry it until the rendezvous timed out (more than 90 s
+    measured, with torch's warnings); now one line before any process starts (issue 50, item 7)."""
+    import time
+
+    from lit_ddp.launch.preflight import check_master_addr
+
+    for good in ("127.0.0.1", "localhost", "::1", ""):
+        check_master_addr({"MASTER_ADDR": good})
+    start = time.monotonic()
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")  # .invalid: a name no resolver answers (RFC 2606)
+    line = usage_error(capsys, "fit", *compose("trainer/ddp", "regression/ddp"), *QUIET)
+    assert "MASTER_ADDR='no-such-host.invalid' does not resolve to an address" in line, line
+    assert time.monotonic() - start < 30
+
+
+def test_a_resolver_that_does_not_answer_is_refused_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import threading
+
+    from lit_ddp.launch import preflight
+
+    never = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: never.wait(5))
+    with pytest.raises(UsageError, match=r"MASTER_ADDR='node7' does not resolve .*no answer from the resolver within"):
+        preflight.check_master_addr({"MASTER_ADDR": "node7"}, timeout=0.2)
+    never.set()
