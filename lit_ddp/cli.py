@@ -49,6 +49,7 @@ from lit_ddp.launch.environment import (
 )
 from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
 from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
+from lit_ddp.launch.text_check import check_text_data
 from lit_ddp.launch.variables import check_launch_variables
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
 from lit_ddp.resilience.exact_resume import ExactResume
@@ -228,6 +229,7 @@ class LitDDPCLI(LightningCLI):
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
         run_preflight(config.get("trainer"))
+        check_text_data(config.get("data"))
         if change := follow_slurm_port():  # a port per job step, not Lightning's one per job
             rank_zero_info(change)
         if self.subcommand == "fit":  # one live job per run directory (rank zero holds it until it exits)
