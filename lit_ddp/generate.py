@@ -10,6 +10,7 @@ GPU when torch sees one (``--device`` chooses), and samples with a key-value cac
 
 from __future__ import annotations
 
+import math
 import pickle
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -30,13 +31,24 @@ DEFAULT_PROMPT = "O God, O God!"
 """What :func:`sample` continues when given no prompt (also TextSampleCallback's default)."""
 
 
+MIN_TEMPERATURE = 1e-6
+"""The smallest positive sampling temperature. Below it sampling is greedy but for ties, and the logits divided by it
+can overflow float32 (a temperature of 1e-45 did: torch's multinomial error)."""
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, prefix: str = "") -> None:
     """Raises ValueError naming the first bad sampling argument (``prefix`` goes before its name, e.g. ``--``):
-    ``max_new_tokens < 0``, ``temperature < 0`` or ``top_k < 1``."""
+    ``max_new_tokens < 0``, a ``temperature`` that is not a finite number, is below 0 or between 0 and
+    :data:`MIN_TEMPERATURE`, or ``top_k < 1``."""
     if max_new_tokens < 0:
         raise ValueError(f"{prefix}max_new_tokens={max_new_tokens} must be >= 0")
-    if temperature < 0:
-        raise ValueError(f"{prefix}temperature={temperature} must be >= 0")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"{prefix}temperature={temperature} must be a finite number >= 0 (0: greedy)")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"{prefix}temperature={temperature} must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (below, the logits "
+            "divided by it can overflow)"
+        )
     if top_k is not None and top_k < 1:
         raise ValueError(f"{prefix}top_k={top_k} must be >= 1 (or null for no limit)")
 

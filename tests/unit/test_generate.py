@@ -73,6 +73,10 @@ def test_generate_on_a_chosen_device(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["--top_k", "0"], "--top_k=0 must be >= 1"),
         (["--prompt", "ROMEO@"], "'@'"),
         (["--max_new_tokens", "many"], "max_new_tokens"),
+        # torch's multinomial error (a traceback) before issue 50; nan and inf spelled as YAML reads them
+        (["--temperature", ".nan"], "--temperature=nan must be a finite number >= 0 (0: greedy)"),
+        (["--temperature", ".inf"], "--temperature=inf must be a finite number >= 0"),
+        (["--temperature", "1e-45"], "--temperature=1e-45 must be 0 (greedy) or >= 1e-06"),
     ],
 )
 def test_generate_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:
@@ -119,6 +123,8 @@ def test_generate_rejects_other_files(tmp_path: Path, capsys: pytest.CaptureFixt
     [
         ({"max_new_tokens": -1}, "max_new_tokens=-1"),
         ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"temperature": float("nan")}, "temperature=nan must be a finite number"),
+        ({"temperature": float("inf")}, "temperature=inf must be a finite number"),
         ({"top_k": 0}, "top_k=0"),
     ],
 )
