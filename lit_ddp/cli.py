@@ -47,6 +47,7 @@ from lit_ddp.launch.environment import (
     follow_torchrun,
     task_gpu_accelerator,
 )
+from lit_ddp.launch.model_size import check_ckpt_builds_model
 from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
 from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
 from lit_ddp.launch.text_check import check_text_data
@@ -223,12 +224,14 @@ class LitDDPCLI(LightningCLI):
             rank_zero_info(f"Run directory: {root} ({why})")
 
     def before_instantiate_classes(self) -> None:
-        # Mis-launches, devices / precision this machine cannot run, a busy MASTER_PORT: one clear message and
-        # exit 2 before anything starts.
+        # Mis-launches, devices / precision this machine cannot run, a MASTER_ADDR that does not resolve, a busy
+        # MASTER_PORT, a --ckpt_path its model does not fit, a text that is not UTF-8: one clear message and exit 2
+        # before anything starts.
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
         run_preflight(config.get("trainer"))
+        check_ckpt_builds_model(config.get("ckpt_path"), config.get("model"))  # LightningCLI read its hyperparameters
         check_text_data(config.get("data"))
         if change := follow_slurm_port():  # a port per job step, not Lightning's one per job
             rank_zero_info(change)

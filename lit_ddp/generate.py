@@ -3,9 +3,10 @@
     lit-ddp generate --ckpt_path runs/mingpt/cpu/checkpoints/last.ckpt --prompt "ROMEO:" --max_new_tokens 300
 
 The checkpoint is untrusted input: it is read with ``torch.load(weights_only=True)``, which refuses pickled
-code. The vocabulary and model sizes come from the checkpoint's ``hyper_parameters``. The model is loaded onto the
-GPU when torch sees one (``--device`` chooses), and samples with a key-value cache
-(:func:`lit_ddp.models.kv_cache.generate`).
+code, and must name this package's GPTModule. The vocabulary and model sizes come from the checkpoint's
+``hyper_parameters``, checked against its tensors before the model takes memory
+(:mod:`lit_ddp.launch.model_size`). The model is loaded onto the GPU when torch sees one (``--device`` chooses), and
+samples with a key-value cache (:func:`lit_ddp.models.kv_cache.generate`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jsonargparse import ArgumentParser, Namespace
 
 from lit_ddp.data.char import decode, encode
 from lit_ddp.errors import UsageError
+from lit_ddp.launch.model_size import check_model_fits, state_shapes
 from lit_ddp.models import kv_cache
 from lit_ddp.models.gpt import GPT
 from lit_ddp.run_dir import sharded
@@ -131,35 +133,51 @@ def sampling_device(device: str | None = None) -> torch.device:
     return parsed
 
 
+GPT_CLASS_PATH = f"{GPTModule.__module__}.{GPTModule.__qualname__}"
+"""The only class a checkpoint may name for ``generate``: ``lit_ddp.tasks.mingpt.GPTModule``."""
+
+
 def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPTModule:
     """A :class:`GPTModule` rebuilt from a checkpoint written by ``lit-ddp fit`` with it, in eval mode
     (Lightning's ``load_from_checkpoint`` with ``weights_only=True``). A sharded checkpoint's directory (FSDP2's
     ``save_distributed_checkpoint``) is consolidated first, in memory (:func:`lit_ddp.run_dir.sharded.as_file`).
+    Before the model is built, its hyperparameters are checked against the checkpoint's tensors on the meta device
+    (:func:`lit_ddp.launch.model_size.check_model_fits`).
 
     Raises:
         FileNotFoundError: ``ckpt_path`` does not exist.
-        ValueError: the file cannot be loaded with ``weights_only=True``, or it is not a minGPT checkpoint
-            (no ``hyper_parameters`` with a ``vocab``, or a state_dict that does not fit).
+        ValueError: the file is empty or not a checkpoint, cannot be loaded with ``weights_only=True``, or it is not
+            a minGPT checkpoint (another class than :data:`GPT_CLASS_PATH`, no ``vocab`` in its
+            ``hyper_parameters``, or hyperparameters that its state_dict does not fit: a UsageError naming sizes).
     """
     path = Path(ckpt_path)
     if not (path.is_file() or sharded.is_sharded(path)):
         raise FileNotFoundError(f"--ckpt_path {path}: no such file")
     not_gpt = f"--ckpt_path {path} is not a minGPT checkpoint (from lit-ddp fit with GPTModule)"
+    if path.is_file() and path.stat().st_size == 0:
+        raise ValueError(
+            f"--ckpt_path {path} is empty (0 bytes), not a checkpoint: give a .ckpt that lit-ddp fit wrote"
+        )
     try:  # the task that wrote it, from the header alone: another task's file would fail deep in torch.load
-        saved_class = (checkpoint_header(str(path)).get("hyper_parameters") or {}).get("_class_path")
-    except ValueError:
-        saved_class = None
-    if isinstance(saved_class, str) and saved_class.rsplit(".", 1)[-1] != GPTModule.__name__:
+        hparams = checkpoint_header(str(path)).get("hyper_parameters") or {}
+    except ValueError as e:
+        raise ValueError(f"--ckpt_path {e}; give a .ckpt that lit-ddp fit wrote") from None
+    saved_class = hparams.get("_class_path")
+    if saved_class is not None and saved_class != GPT_CLASS_PATH:
         raise ValueError(f"{not_gpt}: it is a checkpoint of {saved_class}")
     try:
         source = sharded.as_file(path) if sharded.is_sharded(path) else path
+        saved = state_shapes(source)
+        if not hparams.get("vocab"):
+            raise ValueError("no vocab in its hyper_parameters")
+        check_model_fits(GPTModule, hparams, saved, f"--ckpt_path {path}", "its hyperparameters")
         module = GPTModule.load_from_checkpoint(source, map_location=map_location, weights_only=True)
+    except UsageError:
+        raise
     except pickle.UnpicklingError as e:
         raise ValueError(f"--ckpt_path {path}: cannot be loaded with torch.load(weights_only=True): {e}") from e
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, EOFError) as e:
         raise ValueError(f"{not_gpt}: {e}") from e
-    if module.vocab is None:
-        raise ValueError(f"{not_gpt}: no vocab in its hyper_parameters")
     return module.eval()
 
 

@@ -14,6 +14,7 @@ from lit_ddp.cli import cli_main
 from lit_ddp.data.char import build_vocab
 from lit_ddp.generate import DEFAULT_PROMPT, generate, sample, sampling_device
 from lit_ddp.models import kv_cache
+from lit_ddp.models.gpt import GPT, GPTConfig
 from lit_ddp.tasks.mingpt import GPTModule
 
 TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 40
@@ -107,15 +108,73 @@ def test_generate_rejects_other_files(tmp_path: Path, capsys: pytest.CaptureFixt
     torch.save({"state_dict": {"net.weight": torch.zeros(1, 20)}, "hyper_parameters": {"num_features": 20}}, other)
     pickled = tmp_path / "pickled.ckpt"
     torch.save({"state_dict": {}, "payload": Path("x")}, pickled)  # needs unpickling code: refused
+    empty, text = tmp_path / "empty.ckpt", tmp_path / "notes.ckpt"  # an EOFError traceback before issue 50
+    empty.write_bytes(b"")
+    text.write_text("not a checkpoint\n")
     for path, message in [
         (other, f"--ckpt_path {other} is not a minGPT checkpoint"),
         (pickled, "cannot be loaded with torch.load(weights_only=True)"),
         (tmp_path / "missing.ckpt", "no such file"),
+        (empty, f"--ckpt_path {empty} is empty (0 bytes), not a checkpoint"),
+        (text, f"--ckpt_path {text} is not a readable checkpoint: File is not a zip file"),
     ]:
         with pytest.raises(SystemExit) as exc:
             cli_main(["generate", "--ckpt_path", str(path)])
         assert exc.value.code == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
+def test_generate_accepts_only_this_package_s_gpt_module(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A checkpoint naming another ``GPTModule`` (any module path ending in the class name passed before issue 50)."""
+    module = tiny_module()
+    ckpt = save_like_lightning(module, tmp_path / "tiny.ckpt")
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["hyper_parameters"]["_class_path"] = "elsewhere.GPTModule"
+    torch.save(checkpoint, ckpt)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["generate", "--ckpt_path", str(ckpt)])
+    assert exc.value.code == 2
+    assert "is not a minGPT checkpoint (from lit-ddp fit with GPTModule): it is a checkpoint of elsewhere.GPTModule" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.fixture
+def no_big_gpt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails a test that builds a GPT of more than 8 blocks or width 1024 anywhere but on the meta device: what a
+    crafted checkpoint's hyperparameters made ``generate`` allocate (petabytes, until the kernel killed it)."""
+    real = GPT.__init__
+
+    def guarded(self: GPT, config: GPTConfig) -> None:
+        if torch.empty(0).device.type != "meta" and (config.n_layer > 8 or config.n_embd > 1024):
+            raise AssertionError(f"a {config} built with memory")
+        real(self, config)
+
+    monkeypatch.setattr(GPT, "__init__", guarded)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"n_layer": 10000, "n_embd": 100000, "n_head": 1}, "build a GPTModule of more than 1,"),
+        ({"n_embd": 100000, "n_head": 1}, "model.transformer.wte.weight is (29, 100000) in the model, (29, 16) in the "
+                                          "checkpoint; the model would hold 120,008,900,000 values (447.1 GiB)"),
+    ],
+)  # fmt: skip
+def test_hyperparameters_the_tensors_do_not_fit_are_refused_before_the_model_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture, no_big_gpt: None, sizes: dict, message: str
+) -> None:
+    ckpt = save_like_lightning(tiny_module(), tmp_path / "tiny.ckpt")
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["hyper_parameters"].update(sizes)
+    torch.save(checkpoint, ckpt)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["generate", "--ckpt_path", str(ckpt)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    [line] = [line for line in err.splitlines() if line.startswith("lit-ddp: error:")]
+    assert line.startswith(f"lit-ddp: error: --ckpt_path {ckpt}") and message in line, line
 
 
 @pytest.mark.parametrize(
