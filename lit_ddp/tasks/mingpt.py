@@ -114,11 +114,10 @@ class GPTModule(LightningModule):
         return GPTConfig.from_preset(hp.model_type, **sizes, **options, vocab_size=vocab_size)
 
     def setup(self, stage: str) -> None:
-        if self.vocab is None:
-            vocab = getattr(getattr(self.trainer, "datamodule", None), "vocab", None)
-            if vocab is None:
-                raise ValueError("GPTModule needs a vocab: pass vocab=... or train with a CharDataModule")
-            self.hp.vocab = vocab
+        vocab = getattr(getattr(self.trainer, "datamodule", None), "vocab", None)
+        if vocab is None and self.vocab is None:
+            raise ValueError("GPTModule needs a vocab: pass vocab=... or train with a CharDataModule")
+        self.hp.vocab = vocab or self.vocab  # the data's: a --ckpt_path's (LightningCLI's) is compared as it loads
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -134,8 +133,9 @@ class GPTModule(LightningModule):
         saved = checkpoint.get("hyper_parameters", {}).get("vocab")
         if saved is not None and self.vocab is not None and saved != self.vocab:
             raise ValueError(
-                f"the checkpoint's vocabulary ({len(saved)} characters) differs from the data's "
-                f"({len(self.vocab)} characters): resume with the same text"
+                f"the checkpoint's vocabulary ({len(saved)} characters) is not the data's ({len(self.vocab)}): only "
+                f"in the data {''.join(sorted(set(self.vocab) - set(saved))[:40])!r}, only in the checkpoint "
+                f"{''.join(sorted(set(saved) - set(self.vocab))[:40])!r}: use it on the text it was trained on"
             )
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
