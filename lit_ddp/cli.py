@@ -52,7 +52,7 @@ from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path,
 from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
 from lit_ddp.launch.text_check import check_text_data
 from lit_ddp.launch.variables import check_launch_variables
-from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO
+from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO, is_inside, not_writable, refused_write
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
@@ -133,7 +133,8 @@ class LitDDPCLI(LightningCLI):
     - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank); ``startup.timeout``
       bounds the start-up (rendezvous, resume, restore) apart from the collective timeout (:class:`StartupTimeout`);
     - every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint`, and writes every checkpoint
-      atomically (:class:`AtomicCheckpointIO`) unless ``trainer.plugins`` names another ``CheckpointIO``;
+      atomically (:class:`AtomicCheckpointIO`) unless ``trainer.plugins`` names another ``CheckpointIO``; a write the
+      run directory's file system refuses (read-only, full) ends in one line naming it and the checkpoint kept;
     - before anything is instantiated, the launch, the machine and ``--ckpt_path`` are checked
       (:mod:`lit_ddp.launch.preflight`), and under torchrun the layout follows torchrun;
     - the logger defaults to a TensorBoardLogger writing straight into the run directory (no ``version_N``
@@ -149,6 +150,8 @@ class LitDDPCLI(LightningCLI):
       its false warning under mixed precision.
     """
 
+    run_root: str | None = None  # the run directory, once the config names it
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("seed_everything_default", DEFAULT_SEED)
         kwargs.setdefault("subclass_mode_model", True)
@@ -161,7 +164,13 @@ class LitDDPCLI(LightningCLI):
         # A preemption signal saves, requeues (Slurm) and stops at an agreed optimizer step, on every rank.
         kwargs.setdefault("trainer_defaults", {"callbacks": [FiniteLossGuard(), PreemptionCheckpoint()]})
         self.fit_end_sample = FitEndSample()
-        super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
+        try:
+            super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
+        except (OSError, RuntimeError) as e:  # a write that the run directory's file system refused: one line
+            refused, root = refused_write(e), self.run_root
+            if root is None or refused is None or not is_inside(refused.filename, root):
+                raise
+            raise not_writable(refused, os.fsdecode(refused.filename), root) from e
 
     def setup_parser(
         self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
@@ -235,6 +244,8 @@ class LitDDPCLI(LightningCLI):
         check_text_data(config.get("data"))
         if change := follow_slurm_port():  # a port per job step, not Lightning's one per job
             rank_zero_info(change)
+        if config.get("trainer") is not None:  # where a refused write is reported in one line (__init__)
+            self.run_root = str(config.trainer.default_root_dir)
         if self.subcommand == "fit":  # one live job per run directory (rank zero holds it until it exits)
             hold_run_directory(str(config.trainer.default_root_dir))
 

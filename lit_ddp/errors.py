@@ -38,6 +38,11 @@ class RestoreMismatchError(LitDDPError):
     (:mod:`lit_ddp.resilience.restore_check`); it stops before its first step."""
 
 
+class RunDirectoryNotWritable(LitDDPError):
+    """A file of the run directory cannot be written (a read-only or full file system, a quota, no permission);
+    what the run saved before is left as it was."""
+
+
 class NonFiniteLossError(LitDDPError):
     """The training loss (or a parameter about to be checkpointed) became NaN or infinite."""
 

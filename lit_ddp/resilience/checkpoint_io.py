@@ -3,6 +3,7 @@ synchronously or in a background thread."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 from typing import Any
@@ -15,8 +16,10 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from typing_extensions import override
 
 from lit_ddp import compat
+from lit_ddp.errors import RunDirectoryNotWritable
 from lit_ddp.run_dir import untrusted
 from lit_ddp.run_dir.atomic import atomic_local_file, write_atomic
+from lit_ddp.run_dir.checkpoints import ranked_checkpoints
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -55,12 +58,64 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} does not accept storage_options")
         fs, fs_path = url_to_fs(str(path))
         if isinstance(fs, LocalFileSystem):
-            with atomic_local_file(fs_path) as f:
-                torch.save(checkpoint, f)
+            try:
+                with atomic_local_file(fs_path) as f:
+                    torch.save(checkpoint, f)
+            except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
+                if (refused := refused_write(e)) is None:
+                    raise
+                directory = os.path.dirname(os.path.abspath(fs_path))
+                raise not_writable(refused, str(path), directory, directory, "checkpoint directory") from e
             return
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         write_atomic(str(path), buffer.getbuffer())
+
+
+NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
+"""The ``errno`` of a write a file system refused: read-only, no permission, no space, over quota."""
+
+
+def refused_write(error: BaseException) -> OSError | None:
+    """The OSError of :data:`NOT_WRITABLE` that ``error`` is or was raised from (its cause or context), or None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno in NOT_WRITABLE:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def is_inside(path: str | os.PathLike | None, directory: str) -> bool:
+    """Whether a local ``path`` lies in ``directory`` (both made absolute, links not followed)."""
+    if path is None:
+        return False
+    path, directory = os.path.abspath(os.fsdecode(path)), os.path.abspath(directory)
+    return os.path.commonpath([path, directory]) == directory
+
+
+def not_writable(
+    error: OSError, path: str, directory: str, checkpoint_dir: str | None = None, kind: str = "run directory"
+) -> RunDirectoryNotWritable:
+    """The one-line error for a write at ``path`` in ``directory`` (a run directory, or its ``checkpoint_dir``)
+    that the file system refused, with what the run saved before, which it leaves as it was: lit-ddp replaces each
+    file whole (:mod:`lit_ddp.run_dir.atomic`), and a refused write leaves no partial file behind."""
+    try:
+        ranked = ranked_checkpoints(directory, checkpoint_dir)
+    except (OSError, ValueError):
+        ranked = []
+    if not ranked:
+        kept = "it held no checkpoint yet"
+    else:
+        step, newest = ranked[0]
+        older = f" and {len(ranked) - 1} older one(s) are" if len(ranked) > 1 else " is"
+        kept = f"its newest checkpoint, {newest} (global_step {step}),{older} kept as saved"
+    return RunDirectoryNotWritable(
+        f"the {kind} {directory} cannot be written: {error.strerror or error}: {path}; {kept}. Free space "
+        "there or make it writable, or give another --trainer.default_root_dir, then run the same command again"
+    )
 
 
 class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
