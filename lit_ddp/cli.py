@@ -57,7 +57,7 @@ from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
 from lit_ddp.resilience.preemption import PreemptionCheckpoint
-from lit_ddp.resilience.resume import resolve_ckpt_path
+from lit_ddp.resilience.resume import start_from
 from lit_ddp.resilience.startup_timeout import StartupTimeout
 from lit_ddp.run_dir import layout, untrusted
 from lit_ddp.run_dir.atomic import write_atomic
@@ -129,7 +129,7 @@ class LitDDPCLI(LightningCLI):
     - the run directory: ``trainer.default_root_dir``, else named after the config, and with ``LIT_DDP_RUN_ID``
       set the job's own inside it (:func:`lit_ddp.run_dir.layout.run_directory`); ``fit`` holds it (one live job
       per run directory) and, without ``--ckpt_path``, resumes from its newest valid checkpoint, the same on every
-      rank (:func:`lit_ddp.resilience.resume.resolve_ckpt_path`); ``validate`` / ``test`` evaluate that checkpoint;
+      rank (:func:`lit_ddp.resilience.resume.start_from`); ``validate`` / ``test`` evaluate that checkpoint;
     - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank); ``startup.timeout``
       bounds the start-up (rendezvous, resume, restore) apart from the collective timeout (:class:`StartupTimeout`);
     - every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint`, and writes every checkpoint
@@ -303,7 +303,7 @@ class LitDDPCLI(LightningCLI):
 
     def _start_run(self, fit: bool) -> None:
         """Failures reported per rank from here on; the start-up timeout armed; the checkpoint to start from
-        (:func:`~lit_ddp.resilience.resume.resolve_ckpt_path`)."""
+        (:func:`~lit_ddp.resilience.resume.start_from`)."""
         mark_running()
         config = self.config_init[self.subcommand]
         startup = config.get("startup")  # the trainer's callback, as LightningCLI made it
@@ -314,7 +314,7 @@ class LitDDPCLI(LightningCLI):
         else:  # a fit resumes from the run directory's checkpoints: that they exist is the design, not a mistake
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         given = config.get("ckpt_path")
-        config["ckpt_path"] = resolve_ckpt_path(self.trainer, None if given is None else str(given), fit=fit)
+        config["ckpt_path"] = start_from(self.trainer, None if given is None else str(given), fit=fit)
 
     def after_fit(self) -> None:
         """Rank zero prints the last validation's ``val/*`` values, the best monitored value (unless the monitor is

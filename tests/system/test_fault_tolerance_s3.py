@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from lit_ddp.resilience.resume import find_resume_checkpoint
+from lit_ddp.resilience.resume import choose_checkpoint
 from lit_ddp.run_dir.atomic import write_atomic
 from lit_ddp.run_dir.checkpoints import checkpoint_candidates, checkpoint_step, is_valid_checkpoint
 from tests.helpers import QUIET, Runner, compose, kill_group, lit_ddp, load_records, start
@@ -96,11 +96,11 @@ def test_s3_run_directory_resumes(s3_env: dict[str, str], tmp_path: Path, runner
     # Listed and validated through fsspec; a truncated newer object is skipped (written atomically itself: one PUT).
     candidates = checkpoint_candidates("s3://ftbucket/run")
     assert all(c.startswith("s3://ftbucket/run/checkpoints/") and is_valid_checkpoint(c) for c in candidates)
-    newest = find_resume_checkpoint("s3://ftbucket/run")
+    newest = choose_checkpoint("s3://ftbucket/run")
     step = checkpoint_step(newest)
     print(f"killed with the checkpoint of step {step} the newest of 500")
     write_atomic("s3://ftbucket/run/checkpoints/epoch=999-step=99999.ckpt", b"PK\x03\x04 truncated")
-    assert find_resume_checkpoint("s3://ftbucket/run") == newest
+    assert choose_checkpoint("s3://ftbucket/run") == newest
     import s3fs
 
     s3fs.S3FileSystem().rm("ftbucket/run/checkpoints/epoch=999-step=99999.ckpt")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ddp.resilience.resume import NoValidCheckpointError, find_resume_checkpoint
+from lit_ddp.resilience.resume import NoValidCheckpointError, choose_checkpoint
 
 
 def _ckpt(path: Path, mtime: float, valid: bool = True) -> Path:
@@ -31,12 +31,12 @@ def test_truncated_last_falls_back_with_warning(tmp_path: Path, caplog: pytest.L
     good = _ckpt(ckpts / "epoch=0-step=8.ckpt", 2000)
     _ckpt(ckpts / "last.ckpt", 3000, valid=False)
     with caplog.at_level(logging.WARNING):
-        assert find_resume_checkpoint(str(tmp_path)) == str(good)
+        assert choose_checkpoint(str(tmp_path)) == str(good)
     assert str(ckpts / "last.ckpt") in caplog.text
 
 
 def test_no_checkpoints_means_fresh_start(tmp_path: Path) -> None:
-    assert find_resume_checkpoint(str(tmp_path)) is None
+    assert choose_checkpoint(str(tmp_path)) is None
 
 
 def test_garbage_only_is_a_clear_error(tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ def test_garbage_only_is_a_clear_error(tmp_path: Path) -> None:
     (ckpts / "last.ckpt").write_bytes(b"not a checkpoint")
     _ckpt(ckpts / "epoch=0-step=4.ckpt", 1000, valid=False)
     with pytest.raises(NoValidCheckpointError, match=r"None of the 2 checkpoint\(s\).*--ckpt_path"):
-        find_resume_checkpoint(str(tmp_path))
+        choose_checkpoint(str(tmp_path))
 
 
 def save_steps(directory: Path, steps: dict[str, int]) -> None:
@@ -62,17 +62,17 @@ def test_resume_order_is_by_recorded_step_not_file_time(tmp_path: Path) -> None:
     now = time.time()
     for age, path in enumerate(sorted(run.rglob("*.ckpt"), reverse=True)):  # step=9 newest, last.ckpt oldest
         os.utime(path, (now - age, now - age))
-    assert find_resume_checkpoint(str(run)) == str(run / "checkpoints" / "last.ckpt")
+    assert choose_checkpoint(str(run)) == str(run / "checkpoints" / "last.ckpt")
     copy = tmp_path / "copy"
     shutil.copytree(run, copy, copy_function=shutil.copy)  # new, nearly equal times
     for path in copy.rglob("*.ckpt"):
         os.utime(path, (now, now))
-    assert find_resume_checkpoint(str(copy)) == str(copy / "checkpoints" / "last.ckpt")
+    assert choose_checkpoint(str(copy)) == str(copy / "checkpoints" / "last.ckpt")
     (copy / "checkpoints" / "last.ckpt").unlink()
-    assert find_resume_checkpoint(str(copy)) == str(copy / "checkpoints" / "epoch=0-step=12.ckpt")
+    assert choose_checkpoint(str(copy)) == str(copy / "checkpoints" / "epoch=0-step=12.ckpt")
     for name in ("epoch=0-step=12.ckpt",):
         (copy / "checkpoints" / name).unlink()
-    assert find_resume_checkpoint(str(copy)) == str(copy / "hpc_ckpt_10.ckpt"), "hpc_ckpt_10 beats hpc_ckpt_9"
+    assert choose_checkpoint(str(copy)) == str(copy / "hpc_ckpt_10.ckpt"), "hpc_ckpt_10 beats hpc_ckpt_9"
 
 
 def test_a_resume_warns_about_each_changed_hyperparameter(tmp_path: Path) -> None:

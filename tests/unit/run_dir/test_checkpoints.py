@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ddp.resilience.resume import check_resumable, find_resume_checkpoint, warn_changed_hyperparameters
+from lit_ddp.resilience.restore import warn_changed_hyperparameters
+from lit_ddp.resilience.resume import choose, list_candidates
 from lit_ddp.run_dir import checkpoints
 from lit_ddp.run_dir.checkpoints import checkpoint_header, checkpoint_step, remove_older_hpc_checkpoints
 
@@ -37,13 +38,12 @@ def save(path: Path, step: int, note: str = "") -> Path:
 
 
 def test_a_resume_reads_each_header_once(tmp_path: Path, reads: list[int]) -> None:
-    """Ranking the run directory's checkpoints, choosing the resume point and comparing its hyperparameters read
-    each file's header once, where each read them all again."""
+    """Listing the run directory's checkpoints (once per resume), choosing the resume point and comparing its
+    hyperparameters read each file's header once."""
     for step in (10, 20, 30):
         save(tmp_path / "checkpoints" / f"epoch=0-step={step}.ckpt", step)
     save(tmp_path / "checkpoints" / "last.ckpt", 30)
-    check_resumable(str(tmp_path))
-    path = find_resume_checkpoint(str(tmp_path))
+    path = choose(list_candidates(str(tmp_path)), str(tmp_path))
     assert path is not None and path.endswith("last.ckpt")
     assert checkpoint_step(path) == 30
     assert warn_changed_hyperparameters(path, {"lr": 0.1}) == []

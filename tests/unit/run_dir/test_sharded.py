@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lit_ddp.resilience.resume import find_resume_checkpoint
+from lit_ddp.resilience.resume import choose_checkpoint
 from lit_ddp.run_dir import sharded
 from lit_ddp.run_dir.checkpoints import checkpoint_step, is_valid_checkpoint
 
@@ -70,7 +70,7 @@ def test_resume_skips_a_torn_directory_and_a_temporary_one(tmp_path: Path, caplo
     (no_meta / sharded.META).unlink()
     _write(Path(sharded.temporary_directory(ckpts / "last.ckpt")), 40)
     assert not is_valid_checkpoint(str(torn)) and not sharded.shards_complete(torn)
-    assert find_resume_checkpoint(str(tmp_path)) == str(ckpts / "epoch=0-step=10.ckpt")
+    assert choose_checkpoint(str(tmp_path)) == str(ckpts / "epoch=0-step=10.ckpt")
     assert "epoch=0-step=20.ckpt is truncated or unreadable" in caplog.text
 
 
