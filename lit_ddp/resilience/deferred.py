@@ -16,10 +16,11 @@ class DeferredFlag:
     ``"broadcast"``: rank zero's values) with ``async_op=True`` and returns at once; :meth:`result` waits for
     the one in flight, which by then has had at least a whole step to finish, so no step waits for the
     agreement. Every rank must call :meth:`start` at the same steps. One process (no process group): the
-    values are the local ones. torch.distributed does the work; this keeps the work handle and its tensor
-    together. On CUDA the values come back through a pinned host copy queued behind the collective and an
-    event: :meth:`result` waits for that event, i.e. for the step the collective was started in, never for the
-    work queued since (reading the device tensor, ``.tolist()``, would wait for all of it: a host sync per step).
+    values are the local ones, kept on the host. torch.distributed does the work; this keeps the work handle and
+    its tensor together. On CUDA the values go to the device from pinned memory without blocking, and come back
+    through a pinned host copy queued behind the collective and an event: :meth:`result` waits for that event,
+    i.e. for the step the collective was started in, never for the work queued since (reading the device tensor,
+    ``.tolist()``, or making it with ``torch.tensor(..., device=cuda)``, would wait for all of it: a host sync).
 
     Args:
         op: ``"max"`` or ``"broadcast"`` (from rank zero).
@@ -34,13 +35,18 @@ class DeferredFlag:
 
     def start(self, values: int | Sequence[int], device: torch.device, world_size: int) -> None:
         """Sends ``values`` (replacing unread ones, which the caller must have read with :meth:`result`)."""
-        flag = torch.tensor([values] if isinstance(values, int) else list(values), dtype=torch.int32, device=device)
-        work = None
-        if dist.is_available() and dist.is_initialized() and world_size > 1:
-            if self.op == "max":
-                work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-            else:
-                work = dist.broadcast(flag, src=0, async_op=True)
+        flag = torch.tensor([values] if isinstance(values, int) else list(values), dtype=torch.int32)
+        if not (dist.is_available() and dist.is_initialized() and world_size > 1):
+            self._in_flight = (None, flag, None)  # one process: the values stay on the host
+            return
+        if device.type == "cuda":  # a blocking copy (torch.tensor(..., device=cuda)) would wait for the queue
+            flag = flag.pin_memory().to(device, non_blocking=True)
+        elif device.type != "cpu":
+            flag = flag.to(device)
+        if self.op == "max":
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        else:
+            work = dist.broadcast(flag, src=0, async_op=True)
         event = None
         if flag.is_cuda:
             if work is not None:

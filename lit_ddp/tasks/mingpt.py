@@ -147,11 +147,12 @@ class GPTModule(LightningModule):
         x, y = batch  # (B, T) each: this rank's shard of the global batch
         _, loss = self(x, y)
         self.flops_per_batch = self.model.flops_per_token(x.size(1)) * x.numel()  # type: ignore[union-attr]
-        # The mean over ranks is an all-reduce: only on the steps the logger writes (Lightning's should_update_logs
-        # in public terms: before the optimizer step, global_step counts the batches that stepped).
+        # Only on the steps the logger writes (should_update_logs in public terms): the mean over ranks, copied to the
+        # host, where Lightning's progress bar reads it at every step without waiting for the device (a host sync).
         every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning at runtime
         if every > 0 and ((self.global_step + 1) % every == 0 or self.trainer.should_stop):
-            self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
+            mean = self.trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")  # in place: on a copy
+            self.log("train/loss", mean.cpu(), prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -173,16 +174,8 @@ class GPTModule(LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hp
         assert self.model is not None, "configure_model() first"
-        optimizer = build_optimizer(
-            self.model,
-            hp.optimizer,
-            learning_rate=hp.learning_rate,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            muon_learning_rate=hp.muon_learning_rate,
-            muon_momentum=hp.muon_momentum,
-            muon_weight_decay=hp.muon_weight_decay,
-        )
+        rates = ("learning_rate", "weight_decay", "muon_learning_rate", "muon_momentum", "muon_weight_decay")
+        optimizer = build_optimizer(self.model, hp.optimizer, betas=tuple(hp.betas), **{k: hp[k] for k in rates})
         decay_steps = hp.decay_steps if hp.cosine_decay else None
         if hp.cosine_decay and decay_steps is None:  # the end of training
             decay_steps = max(int(self.trainer.estimated_stepping_batches), hp.warmup_steps + 1)

@@ -1,0 +1,384 @@
+"""Host-device synchronizations of the GPU main job's training steps, counted on a CPU (issue 52).
+
+On a GPU the host queues kernels ahead of the device; a step that reads a device tensor's value on the host
+(``.item()``, ``bool(t)``, ``if t:``, ``float(t)``, ``.tolist()``, ``.cpu()``, an op whose output size depends on
+the values: ``nonzero``, boolean-mask indexing...) or copies host data to the device without ``non_blocking``
+(``torch.tensor(data, device=cuda)``) waits until the device has run everything queued before: the launch-bound
+step then pays the device's time and the host's one after the other. gpu.yaml's steps should do that only on the
+steps that log (and save, and validate).
+
+A CPU has no device to wait for, so :class:`HostSyncs` counts what would synchronize on one: while it is active,
+the tensors marked as device tensors (:meth:`HostSyncs.mark`: the model's parameters and buffers, each batch) and
+every tensor an aten op computes from one are device tensors, and a sync is
+
+- an aten op of :data:`SYNC_OPS` (or boolean-mask indexing) with a device tensor among its inputs;
+- ``Tensor.tolist`` / ``.numpy`` / ``.cpu`` of a device tensor (Python reads, which dispatch no aten op on a CPU);
+- ``torch.tensor`` / ``torch.as_tensor`` of host data with ``device=`` the module's device (a ``torch.device``: a
+  literal ``"cpu"`` means the host, as torch's AdamW keeps its step counts), and a host tensor's ``.to(device)``
+  without ``non_blocking`` (a blocking copy on CUDA); Lightning's batch transfer is left out: it passes
+  ``non_blocking=True`` on CUDA.
+
+``.to("cpu")`` of a device tensor is not seen (on a CPU it cannot be told from a move to the device), nor are
+tensors that factory functions create on the device without a marked input. :class:`StepSyncs` is the callback
+that marks the tensors and books each sync, and each aten op (about one CUDA kernel launch each, eager), to the
+training step it falls in: from one ``on_train_batch_start`` to the next, with validation apart. On a CUDA device it
+counts the real thing instead: ``torch.cuda.set_sync_debug_mode("warn")``'s warnings per step (bench/gpu_check.py).
+
+    python -m bench.host_syncs        # a tiny gpu.yaml fit on this CPU, the syncs and aten ops of each step
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lit_ddp import compat
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Aten ops that read a device tensor's values on the host, or size their output by them (a CUDA kernel, then a
+# copy of the size to the host). `.item()`, `bool(t)`, `float(t)`, `int(t)` and `if t:` all reach
+# _local_scalar_dense; `allclose` and `is_nonzero` decompose into it.
+SYNC_OPS = frozenset({
+    "_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "argwhere", "masked_select",
+    "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive", "bincount",
+    "repeat_interleave",
+})  # fmt: skip
+MASK_INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
+
+# The tiny gpu.yaml fit: gpu.yaml's settings on this CPU, at a size that takes seconds.
+TINY_GPU_JOB = [
+    "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "bf16-mixed",
+    "--trainer.enable_progress_bar", "true", "--model.init_args.compile", "false",
+    "--model.init_args.n_layer", "2", "--model.init_args.n_head", "2", "--model.init_args.n_embd", "32",
+    "--data.init_args.block_size", "32", "--data.init_args.batch_size", "8", "--data.init_args.truncate", "0.05",
+]  # fmt: skip
+
+
+class HostSyncs(TorchDispatchMode):
+    """While active, counts what would synchronize the host with a GPU (see the module's docstring), and every
+    aten op, under the label :attr:`phase`.
+
+    Args:
+        device: the device the module trains on (``torch.tensor(data, device=device)`` is a copy to it).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.phase: Any = None
+        self.syncs: collections.Counter[Any] = collections.Counter()
+        self.ops: collections.Counter[Any] = collections.Counter()
+        self.where: dict[Any, list[str]] = collections.defaultdict(list)
+        self._device_tensors: dict[int, weakref.ref] = {}
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def mark(self, *trees: Any) -> None:
+        """Marks every tensor in ``trees`` (nested lists, tuples, dicts) as a device tensor."""
+        for tensor in tree_leaves(trees):
+            if isinstance(tensor, torch.Tensor):
+                self._device_tensors[id(tensor)] = weakref.ref(tensor, self._forget(id(tensor)))
+
+    def _forget(self, key: int) -> Callable[[Any], None]:
+        def forget(_: Any) -> None:
+            self._device_tensors.pop(key, None)
+
+        return forget
+
+    def on_device(self, tensor: Any) -> bool:
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        ref = self._device_tensors.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def count(self, what: str) -> None:
+        self.syncs[self.phase] += 1
+        self.where[self.phase].append(f"{what} at {_caller()}")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.ops[self.phase] += 1
+        inputs = tree_leaves((args, kwargs))
+        on_device = any(self.on_device(t) for t in inputs)
+        if on_device and (name in SYNC_OPS or (name in MASK_INDEXING and _has_mask(args))):
+            self.count(f"aten.{name}")
+        out = func(*args, **kwargs)
+        if on_device:
+            self.mark(out)
+        return out
+
+    def __enter__(self) -> HostSyncs:
+        self._patch(torch.Tensor, "tolist", self._reads)
+        self._patch(torch.Tensor, "numpy", self._reads)
+        self._patch(torch.Tensor, "cpu", self._reads)
+        self._patch(torch.Tensor, "to", self._copies)
+        self._patch(torch, "tensor", self._makes)
+        self._patch(torch, "as_tensor", self._makes)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        while self._patched:
+            owner, name, original = self._patched.pop()
+            setattr(owner, name, original)
+
+    def _patch(self, owner: Any, name: str, wrap: Callable[[str, Any], Any]) -> None:
+        original = getattr(owner, name)
+        self._patched.append((owner, name, original))
+        setattr(owner, name, wrap(name, original))
+
+    def _reads(self, name: str, original: Any) -> Any:
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not self.on_device(tensor):
+                return original(tensor, *args, **kwargs)
+            self.count(f"Tensor.{name}")
+            out = original(tensor, *args, **kwargs)
+            if out is tensor:  # .cpu() of a CPU tensor: a GPU tensor's would be a copy, on the host
+                out = tensor.clone()
+                self._device_tensors.pop(id(out), None)
+            return out
+
+        return read
+
+    def _copies(self, name: str, original: Any) -> Any:
+        def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            out = original(tensor, *args, **kwargs)
+            if device is not None and torch.device(device) == self.device and not self.on_device(tensor):
+                if not non_blocking and not _from_lightnings_batch_transfer():
+                    self.count("Tensor.to(device) of a host tensor")
+                self.mark(out)
+            return out
+
+        return to
+
+    def _makes(self, name: str, original: Any) -> Any:
+        def make(data: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(data, *args, **kwargs)
+            device = kwargs.get("device")  # a literal "cpu" is the host: the device comes as a torch.device
+            if isinstance(device, torch.device) and device == self.device and not self.on_device(data):
+                self.count(f"torch.{name}(..., device=)")
+                self.mark(out)
+            return out
+
+        return make
+
+
+def _has_mask(args: Any) -> bool:
+    """Whether an indexing op's indices hold a boolean mask (its kernel calls nonzero)."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in tree_leaves(indices))
+
+
+def _from_lightnings_batch_transfer() -> bool:
+    frame = sys._getframe(2)
+    return frame.f_globals.get("__name__") == "lightning.fabric.utilities.apply_func"
+
+
+def _caller() -> str:
+    """The innermost frame of the code that asked, outside torch and this module: ``path:line function``."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = frame.filename
+        if "/torch/" in path or path == __file__ or "/lightning_utilities/" in path:
+            continue
+        short = path.split("site-packages/")[-1].replace(str(REPO) + "/", "")
+        return f"{short}:{frame.lineno} {frame.name}"
+    return "?"
+
+
+@dataclass(eq=False)
+class Step:
+    """One training step's count: ``step`` is the global step after it."""
+
+    step: int
+    logs: bool = False
+    saves: bool = False
+    validates: bool = False
+    syncs: int = 0
+    ops: int = 0
+    where: list[str] = field(default_factory=list)
+
+    @property
+    def quiet(self) -> bool:
+        """A step that neither logs, saves nor validates: it must not synchronize."""
+        return not (self.logs or self.saves or self.validates)
+
+
+class StepSyncs(Callback):
+    """Books the host syncs and aten ops of each training step (:class:`HostSyncs` on a CPU; on CUDA,
+    ``torch.cuda.set_sync_debug_mode("warn")``'s warnings, and no op count) into :attr:`steps`; validation's into
+    :attr:`validation`. A step runs from its ``on_train_batch_start`` to the next one's (the batch fetched and moved
+    before it belongs to the step before), validation from its start to the next step's.
+
+    Args:
+        from_step: the first global step counted (a later one leaves out the first steps' compiling).
+    """
+
+    def __init__(self, from_step: int = 1) -> None:
+        self.from_step = from_step
+        self.steps: dict[int, Step] = {}
+        self.validation: dict[int, int] = {}  # global step -> syncs of the validation after it
+        self.counter: HostSyncs | None = None
+        self._cuda_warnings: Any = None
+        self._caught: list[Any] = []
+        self._open: Any = None  # the phase being counted: a Step or ("validation", step)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            self._cuda_warnings = warnings.catch_warnings(record=True)
+            self._caught = self._cuda_warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        else:
+            self.counter = HostSyncs(device)
+            self.counter.__enter__()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close()
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+        if self._cuda_warnings is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._cuda_warnings.__exit__(None, None, None)
+            self._cuda_warnings = None
+
+    def _close(self) -> None:
+        """Books what the open phase counted."""
+        phase, self._open = self._open, None
+        if phase is None:
+            return
+        if self.counter is not None:
+            syncs, ops, where = self.counter.syncs.pop(phase, 0), self.counter.ops.pop(phase, 0), []
+            where = self.counter.where.pop(phase, [])
+            self.counter.phase = None
+        else:
+            where = [str(w.message) for w in self._caught if SYNC_WARNING in str(w.message)]
+            syncs, ops = len(where), 0
+            self._caught.clear()
+        if isinstance(phase, Step):
+            phase.syncs, phase.ops, phase.where = syncs, ops, where
+        else:
+            self.validation[phase[1]] = self.validation.get(phase[1], 0) + syncs
+
+    def _start(self, phase: Any) -> None:
+        self._close()
+        self._open = phase
+        if self.counter is not None:
+            self.counter.phase = phase
+        else:
+            self._caught.clear()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step + 1
+        if step < self.from_step:
+            self._start(None)
+            return
+        self.steps[step] = Step(step)
+        self._start(self.steps[step])
+        if self.counter is not None:
+            self.counter.mark(batch, list(pl_module.parameters()), list(pl_module.buffers()))
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if isinstance(self._open, Step):
+            self._open.logs = compat.should_update_logs(trainer)
+            self._open.validates = compat.validation_due(trainer)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if isinstance(self._open, Step):
+            self._open.saves = True
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._start(("validation", trainer.global_step))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start(None)
+
+    def quiet_steps(self) -> list[Step]:
+        """The steps that neither log, save nor validate."""
+        return [s for s in self.steps.values() if s.quiet]
+
+
+@contextmanager
+def _quiet_output() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def count_fit(args: list[str], root: str, from_step: int = 1) -> StepSyncs:
+    """``lit-ddp fit`` of ``args`` (gpu.yaml's) in ``root`` with :class:`StepSyncs` added: its counts."""
+    from lit_ddp.cli import cli_main
+
+    added = json.dumps({"class_path": "bench.host_syncs.StepSyncs", "init_args": {"from_step": from_step}})
+    extra = [f"--trainer.callbacks+={added}", "--trainer.default_root_dir", root]
+    with _quiet_output():
+        cli = cli_main(["fit", *args, *extra])
+    assert cli is not None
+    from bench.host_syncs import StepSyncs as Added  # the class the CLI imported (this one may run as __main__)
+
+    return next(c for c in cli.trainer.callbacks if isinstance(c, Added))  # type: ignore[attr-defined]
+
+
+def gpu_job_args(max_steps: int = 12, log_every_n_steps: int = 5, val_check_interval: int = 10) -> list[str]:
+    """The tiny gpu.yaml fit's arguments (:data:`TINY_GPU_JOB`): the DDP fragment and gpu.yaml, as ``make train``
+    composes them, on this CPU."""
+    configs = ["--config", str(REPO / "configs/trainer/ddp.yaml"), "--config", str(REPO / "configs/mingpt/gpu.yaml")]
+    steps = ["--trainer.max_steps", str(max_steps), "--trainer.log_every_n_steps", str(log_every_n_steps)]
+    return [*configs, *TINY_GPU_JOB, *steps, "--trainer.val_check_interval", str(val_check_interval)]
+
+
+def main(argv: list[str] | None = None) -> StepSyncs:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max_steps", type=int, default=12)
+    parser.add_argument("--log_every_n_steps", type=int, default=5)
+    parser.add_argument("--val_check_interval", type=int, default=10)
+    parser.add_argument("--from_step", type=int, default=1, help="the first global step counted")
+    parser.add_argument("--where", action="store_true", help="name the code of each sync")
+    args, fit_args = parser.parse_known_args(argv)
+    with tempfile.TemporaryDirectory() as root:
+        job = gpu_job_args(args.max_steps, args.log_every_n_steps, args.val_check_interval)
+        counted = count_fit([*job, *fit_args], root, args.from_step)
+    print("| step | logs | saves | validates | host syncs | aten ops |")
+    print("|---:|:-:|:-:|:-:|---:|---:|")
+    for s in counted.steps.values():
+        yes = {True: "yes", False: ""}
+        print(f"| {s.step} | {yes[s.logs]} | {yes[s.saves]} | {yes[s.validates]} | {s.syncs} | {s.ops} |")
+        if args.where:
+            for line, n in collections.Counter(s.where).items():
+                print(f"|  | | | | {n} x {line} | |")
+    quiet = counted.quiet_steps()
+    print(f"host syncs per step that neither logs, saves nor validates: {[s.syncs for s in quiet]}")
+    for s in counted.steps.values():
+        if s.syncs:
+            lightnings = sum("at lightning/" in w for w in s.where)
+            print(f"step {s.step}: {s.syncs - lightnings} host syncs of ours, {lightnings} of Lightning's")
+    print(f"validation: {counted.validation} host syncs after the steps named")
+    return counted
+
+
+if __name__ == "__main__":
+    main()
