@@ -48,11 +48,15 @@ def test_a_ckpt_path_asking_for_a_huge_model_is_refused_before_it_is_built(
     ckpt = crafted(tmp_path, n_layer=10000, n_embd=100000, n_head=1)
     line = usage_error(capsys, command, *compose("trainer/ddp", "mingpt/cpu"), "--ckpt_path", str(ckpt),
                        "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET)  # fmt: skip
-    assert f"--ckpt_path {ckpt}: the config and its hyperparameters build a GPTModule of more than 1,064 tensors, " in line
+    assert (
+        f"--ckpt_path {ckpt}: the config and its hyperparameters build a GPTModule of more than 1,064 tensors, " in line
+    )
     assert "but the checkpoint's state_dict holds 16; refused before building it" in line
 
 
-def test_a_wider_model_is_named_with_both_sizes(tmp_path: Path, capsys: pytest.CaptureFixture, no_big_gpt: None) -> None:
+def test_a_wider_model_is_named_with_both_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture, no_big_gpt: None
+) -> None:
     ckpt = crafted(tmp_path, n_embd=100000, n_head=1)
     line = usage_error(capsys, "validate", *compose("trainer/ddp", "mingpt/cpu"), "--ckpt_path", str(ckpt),
                        "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET)  # fmt: skip

@@ -70,9 +70,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_a_read_only_then_full_run_directory_ends_in_one_line(
-    small_tmpfs: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_a_read_only_then_full_run_directory_ends_in_one_line(small_tmpfs: Path, capsys: pytest.CaptureFixture) -> None:
     """A real file system: a read-only run directory (the lock is the first write) and a full one (a checkpoint
     save), each one line and exit status 1 where a traceback was printed; the checkpoint saved before is kept."""
     run = small_tmpfs / "run"
