@@ -34,7 +34,7 @@ class NoValidCheckpointError(LitDDPError):
 
 
 class RestoreMismatchError(LitDDPError):
-    """A resumed fit restored a state other than the one its checkpoint's digests record
+    """A resumed fit restored a state other than the one its checkpoint holds
     (:mod:`lit_ddp.resilience.restore_check`); it stops before its first step."""
 
 

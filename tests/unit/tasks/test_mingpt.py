@@ -40,7 +40,7 @@ def test_validating_a_checkpoint_on_another_text_names_the_characters_apart(tmp_
                        "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *QUIET)  # fmt: skip
     assert (
         "the checkpoint's vocabulary (65 characters) is not the data's (25): only in the data '\u00c7\u00e8\u00eb', "
-        "only in the checkpoint \"$&'-3:;ABCDEFGHIJKLMOPQRSUVWXYdfghjkpquw\": use it on the text it was trained on"
+        'only in the checkpoint "$&\'-3:;ABCDEFGHIJKLMOPQRSUVWXYdfghjkpquw": use it on the text it was trained on'
     ) in line, line
 
 
