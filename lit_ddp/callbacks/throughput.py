@@ -32,6 +32,13 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     return PEAK_FLOPS.get(torch.cuda.get_device_name(device), {}).get(precision)
 
 
+def available_flops(device: torch.device, precision: str, dtype: Any) -> float | None:
+    """Dense peak FLOP/s of ``device`` computing in ``precision``, matrix products in ``dtype``: :func:`peak_flops`'s,
+    else Lightning's table's (GPUs only; None for a CPU). The benchmarks' MFU takes its GPU peak from here too."""
+    flops = peak_flops(device, precision)
+    return flops if flops is not None else get_available_flops(device, dtype)
+
+
 class TokenThroughputMonitor(Callback):
     """Training throughput of ``(x, y)`` token batches, rank zero's, by Lightning's
     :class:`~lightning.fabric.utilities.throughput.Throughput`: samples/s, tokens/s (``items_per_sec``), FLOPs/s from
@@ -80,9 +87,7 @@ class TokenThroughputMonitor(Callback):
             return
         flops = self.available_flops
         if flops is None:
-            flops = peak_flops(trainer.strategy.root_device, str(trainer.precision))
-        if flops is None:
-            flops = get_available_flops(trainer.strategy.root_device, compat.compute_dtype(trainer))
+            flops = available_flops(trainer.strategy.root_device, str(trainer.precision), compat.compute_dtype(trainer))
         self._throughput = Throughput(
             available_flops=flops, world_size=trainer.world_size, window_size=self.window_size, separator=self.separator
         )

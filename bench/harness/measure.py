@@ -1,0 +1,92 @@
+"""Timing in a shared machine's noise, peak FLOP/s, and the table a benchmark prints.
+
+:func:`alternate` runs variants by turns, round after round, each round starting one variant later (A B, then B A),
+so that a neighbour's load falls on all alike; the caller takes the median (or the best) of each variant's list.
+:func:`peak_flops` is the figure MFU is reported against: a GPU's from the throughput callback's table (one source
+with the training job's MFU), a CPU's measured here (fp32 matmuls with the threads one process has).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def alternate(variants: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+    """Each variant's results over ``rounds``, called by turns, round ``r`` starting at variant ``r mod n``."""
+    names = list(variants)
+    results: dict[str, list[T]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            results[name].append(variants[name]())
+    return results
+
+
+def seconds(fn: Callable[[], Any], sync: Callable[[], Any] | None = None) -> float:
+    """Wall seconds of ``fn()``, ``sync()`` (a device's) before and after."""
+    if sync:
+        sync()
+    t0 = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - t0
+
+
+def matmul_flops(n: int, min_time: float = 0.5) -> float:
+    """FLOP/s of ``(n, n) @ (n, n)`` in fp32 on the CPU (``2 n^3`` FLOPs): the best of timings over ``min_time`` s."""
+    import torch
+
+    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    torch.matmul(a, b, out=out)  # warm-up
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < min_time:
+        best = min(best, seconds(lambda: torch.matmul(a, b, out=out)))
+    return 2 * n**3 / best
+
+
+def peak_flops(device: Any = "cpu", precision: str = "32-true", threads: int | None = None) -> float | None:
+    """Peak FLOP/s of one process on ``device``: on CUDA the throughput callback's figure for ``precision``
+    (:func:`lit_ddp.callbacks.throughput.available_flops`; None where no table knows the GPU); on the CPU the best
+    fp32 matmul with ``threads`` torch threads (default: as set)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        from lit_ddp.callbacks.throughput import available_flops
+
+        dtype = torch.bfloat16 if precision.startswith("bf16") else "tfloat32"
+        return available_flops(device, precision, dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return max(matmul_flops(n, min_time=0.2) for n in (256, 512, 1024))
+    finally:
+        torch.set_num_threads(before)
+
+
+def save_fsynced(state: Any, path: Path) -> None:
+    """``torch.save`` into ``path``, flushed and fsynced: the floor a checkpoint write is measured against."""
+    import torch
+
+    with path.open("wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fmt(value: float | None, spec: str = ".1f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "---") -> str:
+    """A markdown table (a ``|`` or a line break inside a cell becomes ``/`` or a space)."""
+    lines = [columns, [align] * len(columns), *rows]
+    return "\n".join(
+        "| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in line) + " |" for line in lines
+    )
