@@ -69,9 +69,9 @@ bench-recovery: venv
 	$(BIN)/python -m bench.recovery $(BENCH_ARGS)
 
 # What trainer.deterministic (configs/checkpoint/exact.yaml) costs lit-ddp fit on 2 CPU processes: tokens/s with
-# and without it, fits launched in alternation (about 5 minutes; the GPU figure: bench/deterministic_cost.py).
+# and without it, fits launched in alternation (about 5 minutes; the GPU figure: the step alone, bench.gpu_check).
 bench-deterministic: venv
-	$(BIN)/python -m bench.deterministic_ddp --rounds 4 $(BENCH_ARGS)
+	$(BIN)/python -m bench.deterministic --fits --rounds 4 $(BENCH_ARGS)
 
 # What the restore check costs a resume of the tutorial-size GPT, beside the save it guards (about a minute).
 bench-restore: venv
@@ -80,12 +80,12 @@ bench-restore: venv
 # How often lit-ddp chaos --calibrated K fails a run as good as a rerun, for each K: uninterrupted noisy runs
 # judged against each other (about 3 minutes for 20 runs).
 bench-chaos-spread: venv
-	$(BIN)/python -m bench.chaos_spread $(BENCH_ARGS)
+	$(BIN)/python -m bench.studies.chaos_spread $(BENCH_ARGS)
 
 # A restart of the compiled main job (2 processes, torchrun, a worker killed) with and without torch.compile's
 # on-disk caches, side by side (about 3 minutes).
 bench-compile-restart: venv
-	$(BIN)/python -m bench.compile_restart $(BENCH_ARGS)
+	$(BIN)/python -m bench.studies.compile_restart $(BENCH_ARGS)
 
 # The GPU main job's kernel launches counted on this CPU: aten ops and ms per optimizer step and per training step of
 # gpu.yaml's model, torch's Muon against BatchedMuon (about a minute).

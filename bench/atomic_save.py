@@ -1,26 +1,15 @@
-"""What an atomic checkpoint write costs against a plain ``torch.save`` + fsync of the same state: time and
-peak host memory.
+"""What an atomic checkpoint write costs against a plain ``torch.save`` + fsync of the same state: time and peak host
+memory (``make bench-save``). The state: the tutorial GPT (8 x 8 x 512) and its AdamW state after one step, laid out
+as Lightning's checkpoint (about 300 MB). Each write runs in a fresh process, the variants by turns over ``--rounds``,
+into ``--dir`` (default ``runs/bench_save``: the runs' disk; ``/tmp`` may be memory):
 
-    python -m bench.atomic_save [--rounds 3] [--dir DIR]      (make bench-save)
+- ``torch.save+fsync``: the floor; ``atomic``: :class:`~lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO`
+  (temporary file, fsync, rename, directory fsync); ``buffered``: serialized into memory first, then written
+  atomically; ``async``: :class:`~lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO` until its writer is done.
 
-The state is the tutorial's model (``configs/mingpt/tutorial.yaml``: n_layer 8, n_head 8, n_embd 512,
-vocab_size 65) with its AdamW state after one step, laid out as Lightning's checkpoint (``state_dict``,
-``optimizer_states``): about 300 MB in float32. Each write runs in a fresh process, the variants interleaved
-over rounds (so that load from other processes hits them alike), into the same directory (``--dir``,
-default ``runs/bench_save``: the disk the runs use; ``/tmp`` may be memory):
-
-- ``torch.save+fsync``: ``torch.save`` into the target file, flush, fsync: the floor;
-- ``atomic``: :class:`~lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO` (temporary file, fsync, rename,
-  directory fsync);
-- ``buffered``: the write it replaced, serialized into memory first (``torch.save`` into ``BytesIO``) and
-  then written atomically, for comparison;
-- ``async``: :class:`~lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO`, from the save call until
-  its writer thread is done (the training thread is blocked only for the clones).
-
-Printed per variant: the best time (seconds) and its ratio to ``torch.save+fsync``; the peak resident memory
-of the process during the write above its memory before it (``VmHWM`` after resetting it, Linux), in MB and as
-a fraction of the checkpoint's size. Targets (issue 26): ``atomic`` within 1.3x of the floor, its memory
-above the state at most 10 % of the checkpoint. Written for this question alone: no library measures it.
+Printed per variant: the best seconds, their ratio to the floor, and the process's peak resident memory above what it
+held before (``VmHWM`` after a reset, Linux). Targets (issue 26): ``atomic`` within 1.3x of the floor, at most 10 %
+of the checkpoint above the state.
 """
 
 from __future__ import annotations
@@ -29,8 +18,6 @@ import argparse
 import gc
 import io
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +25,9 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness.launch import REPO, run
+from bench.harness.measure import alternate, markdown_table, save_fsynced
+
 VARIANTS = ("torch.save+fsync", "atomic", "buffered", "async")
 
 
@@ -94,10 +83,7 @@ def write_once(variant: str, directory: Path) -> dict[str, float]:
     before = _status("VmRSS")
     start = time.perf_counter()
     if variant == "torch.save+fsync":
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        save_fsynced(state, path)
     elif variant == "atomic":
         AtomicCheckpointIO().save_checkpoint(state, path)
     elif variant == "buffered":
@@ -124,23 +110,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(write_once(args.child, args.dir)))
         return
-    results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-    for _ in range(args.rounds):
-        for variant in VARIANTS:
-            cmd = [sys.executable, "-m", "bench.atomic_save", "--child", variant, "--dir", str(args.dir)]
-            out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
-            results[variant].append(json.loads(out.strip().splitlines()[-1]))
+
+    def write(variant: str) -> dict[str, float]:
+        out = run([sys.executable, "-m", "bench.atomic_save", "--child", variant, "--dir", str(args.dir)])
+        return json.loads(out.strip().splitlines()[-1])
+
+    results = alternate({v: lambda v=v: write(v) for v in VARIANTS}, args.rounds)
     size = results["atomic"][0]["size"]
     floor = min(r["seconds"] for r in results["torch.save+fsync"])
     print(f"tutorial checkpoint: {size / 1e6:.0f} MB of tensors; {args.rounds} rounds into {args.dir}")
-    print(f"{'variant':18s} {'best s':>7s} {'x floor':>8s} {'MB/s':>6s} {'peak memory above state':>24s}")
+    rows = []
     for variant, runs in results.items():
-        best = min(r["seconds"] for r in runs)
-        extra = max(r["extra"] for r in runs)
-        print(
-            f"{variant:18s} {best:7.2f} {best / floor:8.2f} {size / best / 1e6:6.0f} "
-            f"{extra / 1e6:12.0f} MB ({extra / size:4.0%})"
-        )
+        best, extra = min(r["seconds"] for r in runs), max(r["extra"] for r in runs)
+        rows.append([variant, f"{best:.2f}", f"{best / floor:.2f}", f"{size / best / 1e6:.0f}",
+                     f"{extra / 1e6:.0f} MB ({extra / size:.0%})"])  # fmt: skip
+    print(markdown_table(["variant", "best s", "x floor", "MB/s", "peak memory above state"], rows))
 
 
 if __name__ == "__main__":

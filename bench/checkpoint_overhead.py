@@ -1,21 +1,12 @@
-"""What checkpointing every 50 steps costs on the minGPT CPU config: synchronous vs asynchronous writes.
+"""What checkpointing every 50 steps costs on the minGPT CPU config: synchronous vs asynchronous writes (``make bench``).
 
-Three variants of the same training run side by side in one process, interleaved over rounds (so that
-load from other processes on the machine hits them alike): no step checkpoints, ``AtomicCheckpointIO``
-(synchronous) and ``AsyncAtomicCheckpointIO`` (asynchronous), each saving ``epoch=..-step=N.ckpt`` and
-``last.ckpt`` every ``--every`` steps. Two figures per variant, as fractions of its training time:
-
-- **blocked**: time the training loop spent inside the checkpoint callback (for async: the state dump, the
-  tensor clones and the hand-off to the writer thread), the direct cost;
-- **vs none**: its whole training time against the no-checkpoint variant's, which also catches what the
-  writer thread takes from training (CPU, memory bandwidth), but is as noisy as the machine.
-
-One process (``devices=1``; under DDP only rank zero writes while the others wait at the same barrier),
-validation off. Run: ``python -m bench.checkpoint_overhead`` (``make bench``).
-
-``--sharded``: the same three variants under ``configs/trainer/fsdp.yaml`` (FSDP2, with AdamW as measured),
-whose checkpoints are directories of DCP shards: ``sync`` writes them in the training loop, ``async``
-through DCP's ``async_save`` (``FSDP2Strategy(async_save=True)``), committed at the next save and at the end.
+Three variants of one training run in one process (``devices=1``, validation off), by turns over rounds: no step
+checkpoints, ``AtomicCheckpointIO`` and ``AsyncAtomicCheckpointIO``, each saving a step checkpoint and ``last.ckpt``
+every ``--every`` steps. Per variant, as fractions of its training time: **blocked**, the time the loop spent in the
+checkpoint callback (async: the state dump, clones and hand-off), the direct cost; **vs none**, its training time
+against the no-checkpoint variant's, which also catches what the writer thread takes, but is as noisy as the machine.
+``--sharded``: the same under ``configs/trainer/fsdp.yaml`` (FSDP2, AdamW): DCP shards written in the loop (``sync``)
+or through ``async_save`` (``async``).
 """
 
 from __future__ import annotations
@@ -29,31 +20,21 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
-
+from bench.harness.callback import StepClock
+from bench.harness.clock import read_clock
+from bench.harness.launch import QUIET, REPO, fit_command
+from bench.harness.measure import alternate, markdown_table
 from lit_ddp.cli import LitDDPCLI
 from lit_ddp.data.sources import DATA_ENV
 
-REPO = Path(__file__).resolve().parents[1]
 # The configs as `make train` composes them (the Makefile's CONFIGS); the run below makes it one process.
-CONFIGS = ["configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml"]
-VARIANTS = {
-    "none": None,
-    "sync": "lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO",
-    "async": "lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO",
+CONFIGS = ("configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml")
+SHARDED_CONFIGS = ("configs/trainer/fsdp.yaml", "configs/mingpt/cpu.yaml")
+VARIANTS = {  # the checkpoint IO plugin, or under --sharded FSDP2Strategy's async_save
+    "none": (None, None),
+    "sync": ("lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO", "false"),
+    "async": ("lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO", "true"),
 }
-SHARDED_CONFIGS = ["configs/trainer/fsdp.yaml", "configs/mingpt/cpu.yaml"]
-SHARDED = {"none": None, "sync": "false", "async": "true"}  # FSDP2Strategy's async_save
-
-
-class _Clock(Callback):
-    """Wall time of fit's training part (train start to train end, writer threads drained by teardown)."""
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.start = time.perf_counter()
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.end = time.perf_counter()
 
 
 def _timed(fn: Any, sink: list[float]) -> Any:
@@ -67,39 +48,26 @@ def _timed(fn: Any, sink: list[float]) -> Any:
     return wrapper
 
 
-def run_variant(
-    name: str, steps: int, every: int, root: Path, data: str | None, sharded: bool = False, tutorial: bool = False
-) -> dict[str, float]:
-    """One training run of ``steps`` optimizer steps on the text at ``data`` (None: ``$LIT_DDP_DATA``,
-    else the embedded Tiny Shakespeare); returns its times (seconds) and save count."""
-    configs = SHARDED_CONFIGS if sharded else CONFIGS
-    args = [
-        *(arg for config in configs for arg in ("--config", str(REPO / config))),
-        "--trainer.devices", "1", *(["--model.init_args.optimizer", "adamw"] if sharded else ["--trainer.strategy", "auto"]),
-        "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",  # so the text samples are off too
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(root / name),
-        "--checkpoint.monitor", "step", "--checkpoint.mode", "max", "--checkpoint.save_top_k", "3",
-        "--checkpoint.every_n_epochs", "0",
-    ]  # fmt: skip
-    if data:
-        args += ["--data.init_args.path", data]
-    if tutorial:
-        args += ["--model.init_args.model_type", "tutorial", "--data.init_args.batch_size", "4"]
-    if VARIANTS[name] is None:
+def run_variant(name: str, steps: int, every: int, root: Path, ns: argparse.Namespace) -> dict[str, float]:
+    """One training run of ``steps`` optimizer steps (on the text at ``ns.data``; None: ``$LIT_DDP_DATA``, else the
+    embedded Tiny Shakespeare); returns its times (seconds) and save count."""
+    plugin, async_save = VARIANTS[name]
+    args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), *QUIET,
+            "--trainer.limit_val_batches", "0",  # so the text samples are off too
+            "--checkpoint.monitor", "step", "--checkpoint.mode", "max", "--checkpoint.save_top_k", "3",
+            "--checkpoint.every_n_epochs", "0",
+            *(["--model.init_args.optimizer", "adamw"] if ns.sharded else ["--trainer.strategy", "auto"]),
+            *(["--data.init_args.path", ns.data] if ns.data else []),
+            *(["--model.init_args.model_type", "tutorial", "--data.init_args.batch_size", "4"] if ns.tutorial else [])]  # fmt: skip
+    if plugin is None:
         args += ["--checkpoint.every_n_train_steps", "0", "--checkpoint.save_last", "false"]
-    elif sharded:
-        args += [
-            "--checkpoint.every_n_train_steps",
-            str(every),
-            "--trainer.strategy.init_args.async_save",
-            SHARDED[name],
-        ]
+    elif ns.sharded:
+        args += ["--checkpoint.every_n_train_steps", str(every), "--trainer.strategy.init_args.async_save", async_save]
     else:
-        args += ["--checkpoint.every_n_train_steps", str(every), "--trainer.plugins", VARIANTS[name]]
-    cli = LitDDPCLI(args=args, run=False)
-    clock = _Clock()
+        args += ["--checkpoint.every_n_train_steps", str(every), "--trainer.plugins", plugin]
+    configs = SHARDED_CONFIGS if ns.sharded else CONFIGS
+    cli = LitDDPCLI(args=fit_command(*(str(REPO / c) for c in configs), root=root / name, args=args)[4:], run=False)
+    clock = StepClock(str(root / f"{name}.clock"))
     cli.trainer.callbacks.append(clock)
     blocked: list[float] = []
     ckpt = cli.trainer.checkpoint_callback
@@ -115,9 +83,15 @@ def run_variant(
     t0 = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     total = time.perf_counter() - t0  # includes teardown, i.e. waiting for async writes to finish
+    events = read_clock(root / f"{name}.clock")
     # Every call of the checkpoint hook costs a little even when it does not save; the overhead is the hook
     # time above that of the no-checkpoint variant (measured the same way).
-    return {"train": clock.end - clock.start, "fit": total, "blocked": sum(blocked), "saves": saves[0]}
+    return {
+        "train": events["end"][0][0] - events["start"][0][0],
+        "fit": total,
+        "blocked": sum(blocked),
+        "saves": saves[0],
+    }
 
 
 def _size(path: Path) -> int:
@@ -130,27 +104,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     parser.add_argument("--every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the three variants")
-    parser.add_argument(
-        "--data", default=None, help=f"text path or URL (default: ${DATA_ENV}, else the embedded Tiny Shakespeare)"
-    )
+    parser.add_argument("--data", default=None, help=f"text path or URL (default: ${DATA_ENV}, else the embedded text)")
     parser.add_argument("--sharded", action="store_true", help="FSDP2's sharded checkpoints: DCP, sync vs async_save")
-    parser.add_argument(
-        "--tutorial",
-        action="store_true",
-        help="the tutorial's GPT (8 x 8 x 512, 4 windows a step) in place of gpt-nano",
-    )
+    parser.add_argument("--tutorial", action="store_true", help="the tutorial's GPT (8 x 8 x 512, 4 windows a step)")
     ns = parser.parse_args(argv)
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as tmp:
         # imports, allocator, first-step costs: the same model and strategy as the measured runs
-        run_variant("none", 10, ns.every, Path(tmp) / "warmup", ns.data, ns.sharded, ns.tutorial)
-        names = list(VARIANTS)
-        for r in range(ns.rounds):
-            for name in names[r % 3 :] + names[: r % 3]:  # each round in another order
-                res = run_variant(name, ns.steps, ns.every, Path(tmp) / f"r{r}", ns.data, ns.sharded, ns.tutorial)
-                results[name].append(res)
-                print(f"round {r} {name:>5}: {res}", file=sys.stderr)
+        run_variant("none", 10, ns.every, Path(tmp) / "warmup", ns)
+        rounds = iter(range(ns.rounds * len(VARIANTS)))
+
+        def variant(name: str) -> dict[str, float]:
+            res = run_variant(name, ns.steps, ns.every, Path(tmp) / f"r{next(rounds)}", ns)
+            print(f"{name:>5}: {res}", file=sys.stderr)
+            return res
+
+        results = alternate({name: lambda name=name: variant(name) for name in VARIANTS}, ns.rounds)
         ckpt_size = max((_size(p) for p in Path(tmp).rglob("last.ckpt")), default=0)  # bytes
     base_train = statistics.median(x["train"] for x in results["none"])
     base_blocked = statistics.median(x["blocked"] for x in results["none"])
@@ -161,15 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     nones = [x["train"] for x in results["none"]]
     print(f"machine noise: the no-checkpoint runs took {min(nones):.1f}-{max(nones):.1f} s; a 'vs none' smaller "
           "than that spread means nothing, 'blocked' is the direct, robust measure")  # fmt: skip
-    print(f"{'variant':>8} {'train s':>8} {'saves':>6} {'blocked s':>10} {'blocked %':>10} {'vs none %':>10}")
+    rows = []
     for name, runs in results.items():
         train = statistics.median(x["train"] for x in runs)
         blocked = statistics.median(x["blocked"] for x in runs) - base_blocked
         saves = int(statistics.median(x["saves"] for x in runs))
-        print(
-            f"{name:>8} {train:8.2f} {saves:6d} {blocked:10.3f} {100 * blocked / train:10.2f} "
-            f"{100 * (train - base_train) / base_train:10.2f}"
-        )
+        vs_none = 100 * (train - base_train) / base_train
+        rows.append([name, f"{train:.2f}", saves, f"{blocked:.3f}", f"{100 * blocked / train:.2f}", f"{vs_none:.2f}"])
+    print(markdown_table(["variant", "train s", "saves", "blocked s", "blocked %", "vs none %"], rows))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,12 @@
-"""What FSDP2 saves and costs against DDP (``make bench-fsdp``): bytes per rank, then step time side by side.
+"""What FSDP2 saves and costs against DDP (``make bench-fsdp``, about 12 minutes here): bytes per rank, then step time.
 
-1. **Memory**: per rank, the bytes of the parameters, gradients and AdamW state a training step leaves held, for
-   the tutorial's GPT (``gpt2_train_cfg.yaml``: 8 layers, 8 heads, n_embd 512, block_size 128; the embedded
-   text's 65 characters) under DDP and FSDP2 on 1 and 2 processes (gloo). The product's pieces: the GPT, the
-   optimizer of :func:`lit_ddp.recipe.build_optimizer`, :func:`lit_ddp.models.parallelize.shard` with a unit per
-   block. A DTensor counts its local shard. Not counted: activations, DDP's gradient buckets (as large again
-   as the gradients, unless ``gradient_as_bucket_view``) and the one block FSDP2 holds gathered while it
-   computes.
-2. **Step time**: ``lit-ddp fit`` with ``configs/trainer/fsdp.yaml`` over the same with ``ddp.yaml`` (the main
-   job's model and data with AdamW (``--model.init_args.optimizer adamw``); validation and sampling off), 2 processes,
-   the two running in turns (:mod:`bench.turns`: this machine's speed drifts more than the effect), for
-   gpt-nano and for the tutorial's size (batch 4 per process here, to keep a step near a second).
-
-    .venv/bin/python -m bench.fsdp            # about 12 minutes on 2 cores
+1. **Memory**: the bytes of parameters, gradients and AdamW state a step leaves held per rank (a DTensor: its local
+   shard), for the tutorial's GPT (8 x 8 x 512, block 128) under DDP and FSDP2 on 1 and 2 gloo processes, with the
+   product's pieces (:func:`lit_ddp.recipe.build_optimizer`, :func:`lit_ddp.models.parallelize.shard`, a unit per
+   block); not counted: activations, DDP's gradient buckets, the block FSDP2 holds gathered while it computes.
+2. **Step time**: ``lit-ddp fit`` with ``configs/trainer/fsdp.yaml`` over ``ddp.yaml`` (the main job with AdamW,
+   validation and sampling off, 2 processes) in turns (:mod:`bench.harness.turns`), for gpt-nano and the tutorial's
+   size (batch 4 per process, a step near a second).
 """
 
 from __future__ import annotations
@@ -20,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,14 +23,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from bench import turns
-from bench.framework_overhead import job_callbacks
-from bench.turns import started_path
+from bench.harness import turns
+from bench.harness.launch import NO_VALIDATION, QUIET, fit_command, free_port, without_samples
+from bench.harness.measure import markdown_table
 from lit_ddp.models.gpt import GPT, Block, GPTConfig
 from lit_ddp.models.parallelize import shard
 from lit_ddp.recipe import build_optimizer
 
-REPO = Path(__file__).resolve().parents[1]
 SIDES = ("ddp", "fsdp")  # a round: an FSDP2 turn over the DDP turn before it
 VOCAB_SIZE = 65  # the embedded Tiny Shakespeare's characters
 
@@ -115,52 +107,29 @@ def _memory_worker(rank: int, world_size: int, strategy: str, port: int, out: An
 def measure(strategy: str, world_size: int) -> dict[str, Any]:
     """Rank zero's figures for one strategy and size: ``held`` bytes (every rank holds as much, to the shards'
     padding), and the ``calls`` and output ``bytes`` of FSDP2's all-gathers and reduce-scatters in one step."""
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(
-        _memory_worker, args=(world_size, strategy, find_free_network_port(), out), nprocs=world_size,
+        _memory_worker, args=(world_size, strategy, free_port(), out), nprocs=world_size,
         start_method="spawn",
     )  # fmt: skip
     found = dict(out.get() for _ in range(world_size))
     return found[0]
 
 
-def measure_memory(strategy: str, world_size: int) -> dict[str, int]:
-    """Rank zero's held bytes (:func:`measure`)."""
-    return measure(strategy, world_size)["held"]
-
-
-def fit_command(strategy: str, steps: int, warmup: int, json_path: Path, root: Path, extra: list[str]) -> list[str]:
-    """``lit-ddp fit`` of the main job with AdamW under ``strategy``, validation and sampling off, a StepTimer."""
-    configs = [REPO / f"configs/trainer/{strategy}.yaml", REPO / "configs/mingpt/cpu.yaml"]
-    return [
-        sys.executable, "-m", "lit_ddp", "fit",
-        *(arg for path in configs for arg in ("--config", str(path.relative_to(REPO)))),
-        "--model.init_args.optimizer", "adamw", "--trainer.max_steps", str(steps),
-        "--trainer.val_check_interval", "100000",
-        "--trainer.check_val_every_n_epoch", "null",
-        f"--trainer.callbacks={json.dumps(job_callbacks(configs))}",  # without the text samples
-        "--trainer.callbacks+=bench.step_timer.StepTimer",
-        f"--trainer.callbacks.init_args.path={json_path}",
-        f"--trainer.callbacks.init_args.warmup_steps={warmup}",
-        f"--trainer.callbacks.init_args.started_path={started_path(json_path)}",
-        "--trainer.default_root_dir", str(root / strategy), "--trainer.enable_progress_bar", "false",
-        *extra,
-    ]  # fmt: skip
-
-
 def step_time_ratio(size: str, steps: int, warmup: int, slice_s: float, timeout: float) -> dict[str, Any]:
-    """FSDP2 / DDP step time of the main job at ``size`` (``gpt-nano`` or ``tutorial``), 2 processes, in turns."""
+    """FSDP2 / DDP step time of the main job with AdamW at ``size`` (``gpt-nano`` or ``tutorial``), 2 processes,
+    validation and sampling off, in turns."""
     extra = [] if size == "gpt-nano" else ["--model.init_args.model_type", "tutorial", "--data.batch_size", "4"]
     with tempfile.TemporaryDirectory(prefix="bench_fsdp_") as tmp:
-        work = Path(tmp)
-        paths = {side: work / f"{side}.json" for side in SIDES}
-        commands = {side: fit_command(side, steps, warmup, paths[side], work, extra) for side in SIDES}
-        result = turns.run_in_turns(commands, paths, work, slice_s, warmup, timeout)
-    starts = {side: result["records"][side]["step_starts"] for side in SIDES}
-    summary = turns.summarize_rounds(turns.pair_rounds(result, starts, warmup), *SIDES)
+        clocks = {side: Path(tmp) / f"{side}.clock" for side in SIDES}
+        commands = {}
+        for side in SIDES:
+            configs = (f"configs/trainer/{side}.yaml", "configs/mingpt/cpu.yaml")
+            args = ["--model.init_args.optimizer", "adamw", "--trainer.max_steps", str(steps), *NO_VALIDATION,
+                    without_samples(*configs), *QUIET, *extra]  # fmt: skip
+            commands[side] = fit_command(*configs, root=Path(tmp) / side, clock=clocks[side], args=args)
+        summary = turns.run_in_turns(commands, clocks, Path(tmp), slice_s, warmup, timeout)
     summary["slice_s"] = slice_s
     return summary
 
@@ -195,13 +164,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_memory(figures: dict[str, Any]) -> None:
     print("bytes per rank after a step, the tutorial's GPT (8 x 8 x 512, block_size 128), fp32 + AdamW:")
-    print(f"{'strategy':>8s} {'procs':>5s} {'params':>12s} {'grads':>12s} {'optimizer':>12s} {'total':>12s}")
+    rows = []
     for strategy in SIDES:
         for world_size in (1, 2):
-            held = measure_memory(strategy, world_size)
-            total = sum(held.values())
-            figures["memory"][f"{strategy}-{world_size}"] = {**held, "total": total}
-            print(f"{strategy:>8s} {world_size:5d} " + " ".join(f"{v:12,d}" for v in (*held.values(), total)))
+            held = measure(strategy, world_size)["held"]
+            figures["memory"][f"{strategy}-{world_size}"] = {**held, "total": sum(held.values())}
+            rows.append(
+                [strategy, world_size, *(f"{v:,d}" for v in figures["memory"][f"{strategy}-{world_size}"].values())]
+            )
+    print(markdown_table(["strategy", "procs", "params", "grads", "optimizer", "total"], rows))
     ratio = figures["memory"]["fsdp-2"]["total"] / figures["memory"]["ddp-2"]["total"]
     print(f"FSDP2 on 2 / DDP on 2: {ratio:.3f} of the bytes per rank", flush=True)
 

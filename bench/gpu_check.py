@@ -2,64 +2,44 @@
 time-boxed, one table per half.
 
     make bench-gpu-speed PYTHON=python3    # the speed half (the GPU image: no venv, wheels from .whl/)
-    make bench-gpu-path PYTHON=python3     # the path half
-    make bench-gpu PYTHON=python3          # both, one after the other (about 13 minutes: over one device call)
+    make bench-gpu-path PYTHON=python3     # the path half (make bench-gpu: both, about 13 minutes)
     BENCH_GPU_PARTS="chaos_ddp generate" python3 -m bench.gpu_check    # some parts again
     BENCH_GPU_DRY=1 python -m bench.gpu_check   # every part on the CPU, tiny sizes: the plumbing (a few minutes)
 
-Why two halves: on an H200 (2026-11-27) a lit-ddp launch costs 15-55 s before its first step, and the parts need
-about 10 launches; every part in one 7-minute budget left the restart and both chaos runs without a result. The
-halves' parts, in order of value (the first ones' figures come first, so that a run cut short still gives the most):
+Two halves because a lit-ddp launch costs 15-55 s before its first step on an H200 (2026-11-27). Each half's parts
+come in order of value, so that a run cut short still gives the most. ``speed``:
 
-``speed`` (``GROUPS``):
+- ``main``: the GPU main job (``ddp.yaml`` + ``$BENCH_GPU_MAIN_CONFIG``, default ``configs/mingpt/gpu.yaml``) from a
+  fresh run directory: seconds from launch to its first step and to val/loss 1.70 / 1.55 / 1.50 / 1.4697 (nanoGPT's
+  README figure for this data), best val/loss, tokens/s and MFU;
+- ``reference``: :mod:`bench.nanogpt_reference` ``--recipe gpu`` stopped at 1.4697: the same marks, ms/iter, tokens/s,
+  MFU, whether it reproduces nanoGPT's H100 figures (14.5 ms/iter, about 80 s to 1.4697) within 10 %; then the ratio
+  of the main job's time to 1.4697 over the reference's (target: at most 0.5);
+- ``tutorial``: the tutorial config on one GPU, a fixed number of steps: its TokenThroughputMonitor's tokens/s, MFU;
+- ``restart``: :mod:`bench.recovery` on the main job, one GPU: kill to the next optimizer step (target: 10 s).
 
-- ``main``: the GPU main job, ``lit-ddp fit --config configs/trainer/ddp.yaml --config configs/mingpt/gpu.yaml``
-  (``$BENCH_GPU_MAIN_CONFIG``), from a fresh run directory: seconds from launch to its first optimizer step and to
-  val/loss 1.70 / 1.55 / 1.50 / 1.4697 (nanoGPT's README figure for this data), best val/loss, tokens/s and MFU;
-- ``reference``: :mod:`bench.nanogpt_reference` ``--recipe gpu`` (nanoGPT's Shakespeare-char GPU recipe), stopped
-  at its first evaluation at or below 1.4697: the same marks, ms/iter, tokens/s, MFU, and whether it reproduces
-  nanoGPT's own H100 figures (14.5 ms/iter, about 80 s to 1.4697) within 10 %; then the ratio of the main job's
-  time to 1.4697 over the reference's (issue 44's target: at most 0.5);
-- ``tutorial``: the tutorial config (``configs/mingpt/tutorial.yaml`` + the DDP and GPU fragments) for a fixed
-  number of steps: tokens/s and MFU of its TokenThroughputMonitor;
-- ``restart``: the main job under ``torchrun --max-restarts 1`` on one GPU, its worker SIGKILLed mid-step:
-  seconds from the kill to the first optimizer step after it (:mod:`bench.recovery`; issue 44: at most 10 s);
+``path``: ``three``: three one-process tutorial fits at once, each to exit within 15 s of its last step (one that
+lingers gets its stacks in its log: ``py-spy dump``, else faulthandler's on SIGABRT); ``chaos_fsdp2`` / ``chaos_ddp``:
+``lit-ddp chaos`` on the tutorial model under FSDP2 (a ``term`` fault) and DDP (a ``kill``): the verdict; ``generate``:
+``lit-ddp generate --device cuda`` from the FSDP2 chaos run's checkpoint; ``determinism``:
+:mod:`bench.deterministic`, the step alone (0.933x on an H200, so last).
 
-``path``:
+Time: each part has a box (``BOXES``; ``$BENCH_GPU_BOX_<PART>`` overrides one); what a part leaves of its box goes to
+the next ones, and no part starts past the budget (``$BENCH_GPU_BUDGET``, default the chosen boxes' sum, ``setup``
+included: at most 420 s a half), counted from this script's start. Each command runs under ``timeout``; this process
+is the subreaper of every process the parts start and ends what one leaves behind (:mod:`bench.harness.launch`).
 
-- ``three``: three one-process tutorial fits started at once, each of which must exit within 15 s of its last
-  optimizer step; one that lingers gets a stack dump (``py-spy dump`` where installed, else faulthandler through
-  ``PYTHONFAULTHANDLER=1`` and SIGABRT) in its log;
-- ``chaos_fsdp2`` / ``chaos_ddp``: ``lit-ddp chaos`` on the tutorial model under FSDP2 (a ``term`` fault) and under
-  DDP (a ``kill`` fault), few steps: the verdict;
-- ``generate``: ``lit-ddp generate`` from the FSDP2 chaos run's sharded checkpoint, on the GPU (``--device cuda``
-  where the command has the option; else without it, as the table says);
-- ``determinism``: tokens/s of the tutorial model's step with and without deterministic algorithms
-  (:mod:`bench.deterministic_cost`, issue 42; measured once, 0.933x on an H200, so last).
-
-Time: each part has a box (seconds, ``BOXES``; ``$BENCH_GPU_BOX_<PART>`` overrides one); what a part leaves of
-its box goes to the next ones, and no part starts past the budget (``$BENCH_GPU_BUDGET``; by default the sum of
-the chosen parts' boxes, ``setup`` included: at most 420 s for each half), counted from this script's start, so the
-check, wheels and warm-up included, ends within it. Each
-command runs under ``timeout`` (SIGTERM at the box, SIGKILL 5 s later); this process is the subreaper of every
-process the parts start, and ends whatever one of them leaves behind before the next part starts.
-
-Environment: ``PYTHON`` is not read here: this script runs under the Python it is given and starts every part with
-it (``sys.executable``). Where ``jsonargparse``, ``docstring_parser``, ``typeshed_client`` or ``torchdata`` is
-missing and ``.whl/`` holds wheels, they are installed into ``$BENCH_GPU_SITE`` (``/tmp/site``) with pip
-(no index, no dependencies) and ``PYTHONPATH`` becomes ``$BENCH_GPU_SITE:<repo>``. ``BENCH_GPU_PARTS``: the parts
-to run (names above or ``speed`` / ``path``, space- or comma-separated; ``setup`` always runs first).
-``BENCH_GPU_DRY=1``: every part on the CPU with tiny sizes and few steps, one thread per process, 60 s for a fit to
-exit (``$BENCH_GPU_LINGER_S``), larger boxes: it checks the plumbing, not the figures. Output: the table (markdown) at the end, and under ``$OUT`` (else ``runs/bench_gpu``)
-``table.md``, ``results.json`` and ``logs.tar.gz`` (every part's log); run directories under ``$BENCH_GPU_WORK``
-(``runs/bench_gpu/work``). Exit status 0 when every part ran and passed, else 1. This replaces ``bench/gpu_path.sh``
-(two chaos runs side by side, 8 to 10 minutes).
+Environment: every part runs under this script's Python. Where ``WHEEL_MODULES`` are missing and ``.whl/`` holds
+wheels, pip installs them into ``$BENCH_GPU_SITE`` (``/tmp/site``), put first on ``PYTHONPATH``. ``BENCH_GPU_PARTS``:
+part or group names, space- or comma-separated (``setup`` always runs first). ``BENCH_GPU_DRY=1``: tiny sizes on the
+CPU, one thread per process, 60 s for a fit to exit (``$BENCH_GPU_LINGER_S``), larger boxes. Output: the table, and
+under ``$OUT`` (else ``runs/bench_gpu``) ``table.md``, ``results.json``, ``logs.tar.gz``; run directories under
+``$BENCH_GPU_WORK`` (``runs/bench_gpu/work``). Exit status 0 when every part ran and passed, else 1.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import math
@@ -76,30 +56,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import launch
+from bench.harness.clock import read_clock
+from bench.harness.launch import REPO, status_of
+from bench.harness.measure import fmt, markdown_table
+
 MARKS = (1.70, 1.55, 1.50, 1.4697)  # val/loss marks; the last is nanoGPT's README figure for this data
 NANOGPT_H100 = {"ms_per_iter": 14.5, "seconds_to_mark": 80.0}  # nanoGPT's own train.py on an H100 (issue 44)
 RATIO_TARGET = 0.5  # main job / reference, time to 1.4697
 RESTART_TARGET = 10.0  # seconds from a kill to the next optimizer step
 LINGER_S = 15.0  # a fit must exit within this many seconds of its last optimizer step (the dry run: 60 s, a busy CPU)
-KILL_GRACE = 5  # timeout(1)'s -k: SIGKILL this long after the SIGTERM
 BUDGET_S = 420.0  # each half's boxes, setup included, sum to at most this
 # Seconds per part on one GPU, from the walls measured on an H200 (2026-11-27): setup 15, main 114 (1.4697 at 109 s
 # from launch, 55 s to the first step), reference 75, tutorial 30, three 33; the restart (62 s) and the chaos runs
 # (90 s each, both stopped after their resume had started) ran out of their boxes. The dry run's boxes are for a
 # busy 2-core CPU.
 BOXES: dict[str, tuple[float, float]] = {  # part: (GPU box, dry-run box)
-    "setup": (20, 90),
-    "main": (125, 150),
-    "reference": (85, 120),
-    "tutorial": (35, 150),
-    "restart": (150, 200),
-    "three": (45, 200),
-    "chaos_fsdp2": (130, 250),
-    "generate": (25, 90),
-    "chaos_ddp": (130, 250),
-    "determinism": (25, 120),
-}
+    "setup": (20, 90), "main": (125, 150), "reference": (85, 120), "tutorial": (35, 150), "restart": (150, 200),
+    "three": (45, 200), "chaos_fsdp2": (130, 250), "generate": (25, 90), "chaos_ddp": (130, 250), "determinism": (25, 120),
+}  # fmt: skip
 PARTS = tuple(BOXES)
 GROUPS = {  # make bench-gpu-speed, make bench-gpu-path
     "speed": ("main", "reference", "tutorial", "restart"),
@@ -146,27 +121,32 @@ class Context:
     linger_s: float = LINGER_S
     rows: dict[str, Row] = field(default_factory=dict)
 
+    def fit(self, name: str, *configs: str, args: list[str]) -> tuple[list[str], Path]:
+        """A fresh run directory ``<work>/<name>`` and the fit's command with its step clock ``<work>/<name>.clock``."""
+        run, clock = self.work / name, self.work / f"{name}.clock"
+        shutil.rmtree(run, ignore_errors=True)
+        clock.unlink(missing_ok=True)
+        return launch.fit_command(*configs, root=run, clock=clock, args=args, python=self.python), clock
 
-# ---------------------------------------------------------------------------------------------------------------
-# Reading what the runs leave
+    def start(self, name: str, cmd: list[str], box: float, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return launch.start_boxed(cmd, box, self.logs / f"{name}.log", env or self.env)
 
+    def run(self, name: str, cmd: list[str], box: float) -> int:
+        return launch.wait_boxed(self.start(name, cmd, box), box)
 
-def read_run_clock(path: str | Path) -> dict[str, list[tuple[float, ...]]]:
-    """The events of a :class:`bench.run_clock.RunClock` file by kind: ``{"start": [(time, pid)], "step": [(time,
-    step)], "val": [(time, step, loss)], "tput": [(time, step, tokens_per_s, mfu)], "end": [(time, step)]}`` (every
-    kind present, empty where none was written or the file is missing; a half-written line is skipped)."""
-    sizes = {"start": 2, "step": 2, "val": 3, "tput": 4, "end": 2}  # fields after the kind
-    events: dict[str, list[tuple[float, ...]]] = {k: [] for k in sizes}
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError:
-        return events
-    for line in lines:
-        kind, *fields = line.split() or [""]
-        if len(fields) == sizes.get(kind):
-            with contextlib.suppress(ValueError):
-                events[kind].append(tuple(float(f) for f in fields))
-    return events
+    def log(self, name: str) -> str:
+        try:
+            return (self.logs / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def result(self, name: str, cmd: list[str], box: float, tail: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
+        """Runs a benchmark script with ``--json <work>/<name>.json`` (then ``tail``): its exit status and its JSON
+        ({} for none)."""
+        out = self.work / f"{name}.json"
+        out.unlink(missing_ok=True)
+        rc = self.run(name, [*cmd, "--json", str(out), *tail], box)
+        return rc, json.loads(out.read_text()) if out.is_file() else {}
 
 
 def seconds_to_marks(points: list[tuple[float, float]], marks: tuple[float, ...] = MARKS) -> dict[float, float | None]:
@@ -182,121 +162,29 @@ def reference_evals(log: str) -> list[tuple[float, float]]:
 
 
 def mean_after_first(values: list[float]) -> float | None:
-    """The mean of the points after the first (the first interval holds the start-up), as bench/gpu_path.sh read
-    the TokenThroughputMonitor's scalars; the only point where there is one; None for none."""
+    """The mean of the points after the first (the first interval holds the start-up); the only point where there
+    is one; None for none."""
     points = [v for v in (values[1:] or values) if not math.isnan(v)]
     return sum(points) / len(points) if points else None
 
 
-def fmt(value: float | None, spec: str = ".1f", none: str = "-") -> str:
-    return none if value is None else format(value, spec)
+def fit_figures(clock: Path, launched: float) -> dict[str, Any]:
+    """A fit's figures from its step clock: seconds from ``launched`` to its first step, mean tokens/s and MFU of the
+    logged points after the first, its last step."""
+    ev = read_clock(clock)
+    return {"events": ev, "first_step_s": ev["step"][0][0] - launched if ev["step"] else None,
+            "tokens_per_s": mean_after_first([e[2] for e in ev["tput"]]), "mfu": mean_after_first([e[3] for e in ev["tput"]]),
+            "steps": int(ev["step"][-1][1]) if ev["step"] else 0}  # fmt: skip
 
 
 def marks_text(marks: dict[float, float | None]) -> str:
     return f"val/loss {' / '.join(f'{m:g}' for m in marks)} at {' / '.join(fmt(s) for s in marks.values())} s"
 
 
-def markdown_table(rows: list[Row], header: str) -> str:
+def table(rows: list[Row], header: str) -> str:
     """The table: one line per part, its wall seconds (and box), status and figures."""
-    lines = [header, "", "| part | wall s (box) | status | figures |", "|---|---|---|---|"]
-    for r in rows:
-        figures = r.figures.replace("|", "/").replace("\n", " ")
-        wall = f"{r.wall:.0f} ({r.box:.0f})" if r.box else "-"
-        lines.append(f"| {r.part} | {wall} | {r.status} | {figures} |")
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Processes
-
-
-def become_subreaper() -> None:
-    """Makes the processes the parts leave orphaned (``lit-ddp chaos`` and torchrun start sessions of their own)
-    children of this one, so that :func:`end_leftovers` finds them (Linux ``PR_SET_CHILD_SUBREAPER``)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
-
-
-def descendants(root: int) -> list[tuple[int, str]]:
-    """Every process below ``root`` (from ``/proc``) with its state letter (``Z``: a zombie, waiting to be reaped)."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
-            children.setdefault(int(ppid), []).append((int(stat.parent.name), state))
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child[0])
-    return found
-
-
-def end_leftovers(log: Path) -> list[int]:
-    """SIGKILLs every live process below this one (a part's leftovers: its box is over), reaps those that are its
-    children (zombies too: orphans come to this subreaper), and returns the live ones' pids; their command lines go
-    to ``log``."""
-    below = descendants(os.getpid())
-    live = [pid for pid, state in below if state != "Z"]
-    if live:
-        with log.open("a") as f:
-            for pid in live:
-                with contextlib.suppress(OSError):
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                    f.write(f"{pid}: {cmdline.decode(errors='replace')[:300]}\n")
-    for pid in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid, _ in below:
-        with contextlib.suppress(ChildProcessError):  # only this process's children can be reaped here
-            os.waitpid(pid, 0)
-    return live
-
-
-def launch(ctx: Context, name: str, cmd: list[str], box: float, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``timeout -k 5 <box - 5> CMD`` in the repository, its output to ``<logs>/<name>.log``."""
-    log = (ctx.logs / f"{name}.log").open("w")
-    log.write("$ " + " ".join(cmd) + "\n")
-    log.flush()
-    limit = max(1, int(box) - KILL_GRACE)
-    return subprocess.Popen(["timeout", "-k", str(KILL_GRACE), str(limit), *cmd], cwd=REPO, env=env or ctx.env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-
-
-def wait(proc: subprocess.Popen, box: float) -> int:
-    """The command's exit status (124 or 137: its box ended it); a backstop kill past the box."""
-    try:
-        return proc.wait(timeout=box + KILL_GRACE)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
-
-
-def run_command(ctx: Context, name: str, cmd: list[str], box: float, env: dict[str, str] | None = None) -> int:
-    return wait(launch(ctx, name, cmd, box, env), box)
-
-
-def status_of(rc: int) -> str:
-    return "ok" if rc == 0 else "timeout" if rc in (124, 137) else f"failed (rc {rc})"
-
-
-def log_text(ctx: Context, name: str) -> str:
-    try:
-        return (ctx.logs / f"{name}.log").read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def fresh(path: Path) -> Path:
-    shutil.rmtree(path, ignore_errors=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def clock_args(path: Path) -> list[str]:
-    return ["--trainer.callbacks+=bench.run_clock.RunClock", f"--trainer.callbacks.init_args.path={path}"]
+    lines = [[r.part, f"{r.wall:.0f} ({r.box:.0f})" if r.box else "-", r.status, r.figures] for r in rows]
+    return f"{header}\n\n{markdown_table(['part', 'wall s (box)', 'status', 'figures'], lines)}\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,7 +207,7 @@ def part_setup(ctx: Context, box: float) -> Row:
     if missing and wheels:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                "--no-cache-dir", "--upgrade", "--target", site, *map(str, wheels)]  # fmt: skip
-        rc = run_command(ctx, "setup_wheels", pip, box - (time.monotonic() - t0))
+        rc = ctx.run("setup_wheels", pip, box - (time.monotonic() - t0))
         if rc != 0:
             return Row("setup", f"failed (pip rc {rc})", "; ".join(notes), data={"gpu": gpu})
         ctx.env["PYTHONPATH"] = os.pathsep.join([site, ctx.env["PYTHONPATH"]])  # the repository's path follows
@@ -327,7 +215,7 @@ def part_setup(ctx: Context, box: float) -> Row:
     elif missing:
         return Row("setup", f"failed: no {', '.join(missing)} and no .whl/", gpu, data={"gpu": gpu})
     warm = [sys.executable, "-c", "import lit_ddp.cli, torch._inductor.compile_fx"]
-    rc = run_command(ctx, "setup_imports", warm, box - (time.monotonic() - t0))
+    rc = ctx.run("setup_imports", warm, box - (time.monotonic() - t0))
     notes.append(f"imports warmed in {time.monotonic() - t0:.0f} s")
     notes.append(versions())
     return Row("setup", status_of(rc), "; ".join(notes), data={"gpu": gpu, "missing": missing})
@@ -337,60 +225,44 @@ def versions() -> str:
     """Python's, torch's and Lightning's versions (from the packages' metadata: no import)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    out = [f"Python {sys.version.split()[0]}"]
-    for name in ("torch", "lightning"):
-        try:
-            out.append(f"{name} {version(name)}")
-        except PackageNotFoundError:
-            out.append(f"no {name}")
-    return ", ".join(out)
+    def of(name: str) -> str:
+        with contextlib.suppress(PackageNotFoundError):
+            return f"{name} {version(name)}"
+        return f"no {name}"
+
+    return ", ".join([f"Python {sys.version.split()[0]}", of("torch"), of("lightning")])
 
 
 def part_main(ctx: Context, box: float) -> Row:
     if not (REPO / ctx.main_config).is_file():
         return Row("main", "missing config", f"{ctx.main_config} does not exist")
-    run, clock = fresh(ctx.work / "main"), ctx.work / "main.clock"
-    clock.unlink(missing_ok=True)
-    cmd = [ctx.python, "-m", "lit_ddp", "fit", "--config", DDP, "--config", ctx.main_config,
-           "--trainer.default_root_dir", str(run), *clock_args(clock),
-           *(DRY_MAIN + DRY_MAIN_STEPS if ctx.dry else [])]  # fmt: skip
+    cmd, clock = ctx.fit("main", DDP, ctx.main_config, args=DRY_MAIN + DRY_MAIN_STEPS if ctx.dry else [])
     launched = time.time()
-    rc = run_command(ctx, "main", cmd, box)
-    ev = read_run_clock(clock)
-    vals = [(t - launched, loss) for t, _, loss in ev["val"]]
-    marks = seconds_to_marks(vals)
-    first = ev["step"][0][0] - launched if ev["step"] else None
-    best = min(ev["val"], key=lambda e: e[2]) if ev["val"] else None
-    tokens = mean_after_first([e[2] for e in ev["tput"]])
-    mfu = mean_after_first([e[3] for e in ev["tput"]])
-    steps = int(ev["step"][-1][1]) if ev["step"] else 0
+    rc = ctx.run("main", cmd, box)
+    f = fit_figures(clock, launched)
+    marks = seconds_to_marks([(t - launched, loss) for t, _, loss in f["events"]["val"]])
+    best = min(f["events"]["val"], key=lambda e: e[2]) if f["events"]["val"] else None
     figures = (
-        f"{ctx.main_config}: launch to step 1 {fmt(first)} s; {marks_text(marks)}; best val/loss "
-        f"{fmt(best and best[2], '.4f')} (step {fmt(best and best[1], '.0f')}); {fmt(tokens, ',.0f')} tokens/s; "
-        f"MFU {fmt(mfu, '.3f')}; {steps} steps"
+        f"{ctx.main_config}: launch to step 1 {fmt(f['first_step_s'])} s; {marks_text(marks)}; best val/loss "
+        f"{fmt(best and best[2], '.4f')} (step {fmt(best and best[1], '.0f')}); {fmt(f['tokens_per_s'], ',.0f')} "
+        f"tokens/s; MFU {fmt(f['mfu'], '.3f')}; {f['steps']} steps"
     )
     status = status_of(rc)
     if status == "ok" and marks[MARKS[-1]] is None:
         status = f"ok, {MARKS[-1]} not reached"
-    data = {"marks": marks, "first_step_s": first, "best_val_loss": best and best[2], "tokens_per_s": tokens,
-            "mfu": mfu, "steps": steps}  # fmt: skip
-    return Row("main", status, figures, data=data)
+    del f["events"]
+    return Row("main", status, figures, data={**f, "marks": marks, "best_val_loss": best and best[2]})
 
 
 def part_reference(ctx: Context, box: float) -> Row:
-    out = ctx.work / "reference.json"
-    out.unlink(missing_ok=True)
-    cmd = [ctx.python, "-m", "bench.nanogpt_reference", "--recipe", "gpu", "--stop_at_target", "--json", str(out)]
+    cmd = [ctx.python, "-m", "bench.nanogpt_reference", "--recipe", "gpu", "--stop_at_target"]
     if ctx.dry:
         cmd += ["--device", "cpu", "--dtype", "float32", "--no-compile", "--n_layer", "2", "--n_head", "2",
                 "--n_embd", "32", "--block_size", "32", "--batch_size", "8", "--max_iters", "40",
                 "--eval_interval", "10", "--eval_iters", "2", "--threads", "1"]  # fmt: skip
-    rc = run_command(ctx, "reference", cmd, box)
-    result = json.loads(out.read_text()) if out.is_file() else {}
+    rc, result = ctx.result("reference", cmd, box)
     evals = (
-        [(e["seconds"], e["val_loss"]) for e in result["evals"]]
-        if result
-        else reference_evals(log_text(ctx, "reference"))
+        [(e["seconds"], e["val_loss"]) for e in result["evals"]] if result else reference_evals(ctx.log("reference"))
     )
     marks = seconds_to_marks(evals)
     ms, tokens, mfu = result.get("ms_per_iter"), result.get("tokens_per_s"), result.get("mfu")
@@ -398,9 +270,8 @@ def part_reference(ctx: Context, box: float) -> Row:
     to_mark = marks[MARKS[-1]]
     gpu = ctx.rows["setup"].data.get("gpu", "") if "setup" in ctx.rows else ""
     if ms is not None and to_mark is not None and "H100" in gpu:
-        within = all(
-            abs(v / NANOGPT_H100[k] - 1) <= 0.10 for k, v in (("ms_per_iter", ms), ("seconds_to_mark", to_mark))
-        )
+        measured = {"ms_per_iter": ms, "seconds_to_mark": to_mark}
+        within = all(abs(measured[k] / v - 1) <= 0.10 for k, v in NANOGPT_H100.items())
         check = "reproduces" if within else "does NOT reproduce"
         check += " nanoGPT's H100 figures (14.5 ms/iter, ~80 s) within 10 %"
     else:
@@ -434,37 +305,27 @@ def ratio_row(ctx: Context) -> Row | None:
 
 
 def part_tutorial(ctx: Context, box: float) -> Row:
-    run, clock = fresh(ctx.work / "tutorial"), ctx.work / "tutorial.clock"
-    clock.unlink(missing_ok=True)
     steps, every = (20, 5) if ctx.dry else (100, 20)
-    cmd = [ctx.python, "-m", "lit_ddp", "fit", "--config", DDP, "--config", TUTORIAL, "--config", GPU,
-           "--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", str(every),
-           "--trainer.default_root_dir", str(run), *clock_args(clock), *(DRY_TUTORIAL if ctx.dry else [])]  # fmt: skip
+    args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", str(every)]
+    cmd, clock = ctx.fit("tutorial", DDP, TUTORIAL, GPU, args=args + (DRY_TUTORIAL if ctx.dry else []))
     launched = time.time()
-    rc = run_command(ctx, "tutorial", cmd, box)
-    ev = read_run_clock(clock)
-    tokens = mean_after_first([e[2] for e in ev["tput"]])
-    mfu = mean_after_first([e[3] for e in ev["tput"]])
-    first = ev["step"][0][0] - launched if ev["step"] else None
+    rc = ctx.run("tutorial", cmd, box)
+    f = fit_figures(clock, launched)
     figures = (
-        f"{fmt(tokens, ',.0f')} tokens/s, MFU {fmt(mfu, '.3f')} (mean of {max(len(ev['tput']) - 1, 0)} logged points "
-        f"after the first, every {every} steps; target MFU >= 0.30); launch to step 1 {fmt(first)} s; "
-        f"{int(ev['step'][-1][1]) if ev['step'] else 0} of {steps} steps"
+        f"{fmt(f['tokens_per_s'], ',.0f')} tokens/s, MFU {fmt(f['mfu'], '.3f')} (mean of "
+        f"{max(len(f['events']['tput']) - 1, 0)} logged points after the first, every {every} steps; target MFU >= "
+        f"0.30); launch to step 1 {fmt(f['first_step_s'])} s; {f['steps']} of {steps} steps"
     )
-    return Row("tutorial", status_of(rc), figures, data={"tokens_per_s": tokens, "mfu": mfu})
+    return Row("tutorial", status_of(rc), figures, data={"tokens_per_s": f["tokens_per_s"], "mfu": f["mfu"]})
 
 
 def part_restart(ctx: Context, box: float) -> Row:
     if not (REPO / ctx.main_config).is_file():
         return Row("restart", "missing config", f"{ctx.main_config} does not exist")
-    out = ctx.work / "restart.json"
-    out.unlink(missing_ok=True)
     cmd = [ctx.python, "-m", "bench.recovery", "--faults", "kill", "--nproc_per_node", "1", "--seed", "1",
-           "--configs", DDP, ctx.main_config, "--json", str(out), "--log", str(ctx.logs / "restart_job.log"), "--",
-           "--trainer.devices", "1",
-           *(DRY_MAIN if ctx.dry else [])]  # fmt: skip
-    rc = run_command(ctx, "restart", cmd, box)
-    r = json.loads(out.read_text())["results"]["kill"] if out.is_file() else {}
+           "--configs", DDP, ctx.main_config, "--log", str(ctx.logs / "restart_job.log")]  # fmt: skip
+    rc, out = ctx.result("restart", cmd, box, ("--", "--trainer.devices", "1", *(DRY_MAIN if ctx.dry else [])))
+    r = out.get("results", {}).get("kill", {})
     figures = (
         f"SIGKILL to the next optimizer step {fmt(r.get('recovery'))} s (target <= {RESTART_TARGET:g}): to the "
         f"restarted worker's start {fmt(r.get('to_restart'))} s, start to step {fmt(r.get('start_to_step'))} s; "
@@ -477,12 +338,8 @@ def part_restart(ctx: Context, box: float) -> Row:
 
 
 def part_determinism(ctx: Context, box: float) -> Row:
-    out = ctx.work / "determinism.json"
-    out.unlink(missing_ok=True)
-    cmd = [ctx.python, "-m", "bench.deterministic_cost", "--json", str(out)]
-    cmd += ["--device", "cpu", "--tiny", "--rounds", "2"] if ctx.dry else []
-    rc = run_command(ctx, "determinism", cmd, box)
-    r = json.loads(out.read_text()) if out.is_file() else {}
+    cmd = [ctx.python, "-m", "bench.deterministic"]
+    rc, r = ctx.result("determinism", cmd + (["--device", "cpu", "--tiny", "--rounds", "2"] if ctx.dry else []), box)
     figures = (
         f"{r.get('model_type', 'tutorial')} step, {r.get('steps', '-')} steps per mode: default "
         f"{fmt(r.get('tokens_per_s'), ',.0f')} tokens/s, deterministic "
@@ -513,12 +370,9 @@ def part_three(ctx: Context, box: float) -> Row:
     jobs = []
     t0 = time.monotonic()
     for i in (1, 2, 3):
-        run, clock = fresh(ctx.work / f"three{i}"), ctx.work / f"three{i}.clock"
-        clock.unlink(missing_ok=True)
-        cmd = [ctx.python, "-m", "lit_ddp", "fit", "--config", DDP, "--config", TUTORIAL, "--config", GPU,
-               "--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(run),
-               *clock_args(clock), *(DRY_TUTORIAL if ctx.dry else [])]  # fmt: skip
-        jobs.append({"proc": launch(ctx, f"three{i}", cmd, box, env), "clock": clock, "exit": None, "dump": None})
+        args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), *(DRY_TUTORIAL if ctx.dry else [])]
+        cmd, clock = ctx.fit(f"three{i}", DDP, TUTORIAL, GPU, args=args)
+        jobs.append({"proc": ctx.start(f"three{i}", cmd, box, env), "clock": clock, "exit": None, "dump": None})
     while any(j["exit"] is None for j in jobs):
         now = time.time()
         for i, j in enumerate(jobs, 1):
@@ -527,28 +381,26 @@ def part_three(ctx: Context, box: float) -> Row:
             if j["proc"].poll() is not None:
                 j["exit"] = now
                 continue
-            ev = read_run_clock(j["clock"])
-            done = [t for t, s in ev["step"] if s >= steps] or [t for t, _ in ev["end"]]
-            late = (done and now - done[0] > ctx.linger_s) or time.monotonic() - t0 > box - KILL_GRACE - 3
+            ev = read_clock(j["clock"])
+            done = [e[0] for e in ev["step"] if e[1] >= steps] or [e[0] for e in ev["end"]]
+            late = (done and now - done[0] > ctx.linger_s) or time.monotonic() - t0 > box - launch.KILL_GRACE - 3
             if late and j["dump"] is None and ev["start"]:
                 j["dump"] = stack_dump(int(ev["start"][0][1]), ctx.logs / f"three{i}.log")
-        if time.monotonic() - t0 > box + KILL_GRACE:
+        if time.monotonic() - t0 > box + launch.KILL_GRACE:
             break
         time.sleep(0.2)
     exits, lines, ok = [], [], True
     for i, j in enumerate(jobs, 1):
-        rc = wait(j["proc"], 1)
-        ev = read_run_clock(j["clock"])
+        rc = launch.wait_boxed(j["proc"], 1)
+        ev = read_clock(j["clock"])
         last = ev["step"][-1][0] if ev["step"] else None
         after = None if last is None or j["exit"] is None else j["exit"] - last
         exits.append(after)
         good = rc == 0 and after is not None and after <= ctx.linger_s and j["dump"] is None
         ok &= good
         if not good:
-            lines.append(
-                f"job {i}: rc {rc}, {len(ev['step'])} steps"
-                + (f", stacks ({j['dump']}) in three{i}.log" if j["dump"] else "")
-            )
+            stacks = f", stacks ({j['dump']}) in three{i}.log" if j["dump"] else ""
+            lines.append(f"job {i}: rc {rc}, {len(ev['step'])} steps{stacks}")
     figures = (
         f"exit after the last step {' / '.join(fmt(e) for e in exits)} s (limit {ctx.linger_s:g}); {steps} steps each"
     )
@@ -557,18 +409,21 @@ def part_three(ctx: Context, box: float) -> Row:
 
 
 def part_chaos(ctx: Context, box: float, strategy: str, kind: str, name: str) -> Row:
-    root = fresh(ctx.work / name)
+    root = ctx.work / name
+    shutil.rmtree(root, ignore_errors=True)
     steps, every = (24, 6) if ctx.dry else (100, 20)
-    cmd = [ctx.python, "-m", "lit_ddp", "chaos", "--launcher", "single", "--faults", "1", "--kinds", kind,
-           "--seed", "1", "--root", str(root), "--timeout", str(int(box)), "--", "--config", strategy,
-           "--config", TUTORIAL, "--config", FAULT_TOLERANT, "--config", EXACT, "--config", GPU, "--trainer.devices", "1",
-           "--trainer.max_steps", str(steps),
-           "--checkpoint.every_n_train_steps", str(every), *(DRY_TUTORIAL if ctx.dry else [])]  # fmt: skip
-    rc = run_command(ctx, name, cmd, box)
-    log = log_text(ctx, name)
-    verdict = next((line for line in log.splitlines() if line.startswith(("identical", "DIFFERENT"))), "")
-    cost = next((line for line in log.splitlines() if line.startswith("the faults cost")), "")
-    failure = next((line for line in log.splitlines() if line.startswith("lit-ddp chaos:") and "seed" not in line), "")
+    args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), "--checkpoint.every_n_train_steps", str(every)]
+    fit = launch.fit_command(
+        strategy, TUTORIAL, FAULT_TOLERANT, EXACT, GPU, args=args + (DRY_TUTORIAL if ctx.dry else [])
+    )
+    # lit-ddp chaos takes the fit's arguments after `--`: fit[4:], those after "python -m lit_ddp fit"
+    cmd = [ctx.python, "-m", "lit_ddp", "chaos", "--launcher", "single", "--faults", "1", "--kinds", kind, "--seed",
+           "1", "--root", str(root), "--timeout", str(int(box)), "--", *fit[4:]]  # fmt: skip
+    rc = ctx.run(name, cmd, box)
+    log = ctx.log(name).splitlines()
+    verdict = next((line for line in log if line.startswith(("identical", "DIFFERENT"))), "")
+    cost = next((line for line in log if line.startswith("the faults cost")), "")
+    failure = next((line for line in log if line.startswith("lit-ddp chaos:") and "seed" not in line), "")
     figures = f"{strategy.rsplit('/', 1)[-1]}, 1 {kind} fault, {steps} steps, checkpoint every {every}: " + (
         "; ".join(filter(None, [verdict, cost, failure])) or "no verdict"
     )
@@ -586,12 +441,12 @@ def part_generate(ctx: Context, box: float) -> Row:
     device = "cpu" if ctx.dry else "cuda"
     base = [ctx.python, "-m", "lit_ddp", "generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "200"]
     t0 = time.monotonic()
-    rc = run_command(ctx, "generate", [*base, "--device", device], box)
+    rc = ctx.run("generate", [*base, "--device", device], box)
     how = f"--device {device}"
-    if rc == 2 and "device" in log_text(ctx, "generate"):  # no such option yet: the command's own choice
+    if rc == 2 and "device" in ctx.log("generate"):  # no such option: the command's own choice
         how = "no --device option: the command's default device"
-        rc = run_command(ctx, "generate", base, box - (time.monotonic() - t0))
-    text = log_text(ctx, "generate").splitlines()[1:]
+        rc = ctx.run("generate", base, box - (time.monotonic() - t0))
+    text = ctx.log("generate").splitlines()[1:]
     sample = " ".join(line.strip() for line in text if line.strip())[:60]
     seconds = time.monotonic() - t0
     figures = f"{ckpt.relative_to(ctx.work)}, {how}, 200 tokens in {seconds:.1f} s (with the launch): {sample!r}"
@@ -599,17 +454,11 @@ def part_generate(ctx: Context, box: float) -> Row:
 
 
 RUNNERS: dict[str, Callable[[Context, float], Row]] = {
-    "setup": part_setup,
-    "main": part_main,
-    "reference": part_reference,
-    "tutorial": part_tutorial,
-    "restart": part_restart,
-    "determinism": part_determinism,
-    "three": part_three,
+    "setup": part_setup, "main": part_main, "reference": part_reference, "tutorial": part_tutorial,
+    "restart": part_restart, "determinism": part_determinism, "three": part_three, "generate": part_generate,
     "chaos_fsdp2": lambda ctx, box: part_chaos(ctx, box, FSDP, "term", "chaos_fsdp2"),
-    "generate": part_generate,
     "chaos_ddp": lambda ctx, box: part_chaos(ctx, box, DDP, "kill", "chaos_ddp"),
-}
+}  # fmt: skip
 
 
 def chosen_parts(spec: str | None) -> list[str]:
@@ -646,13 +495,12 @@ def main() -> int:
     main_config = os.environ.get("BENCH_GPU_MAIN_CONFIG", "configs/mingpt/gpu.yaml")
     if dry and "BENCH_GPU_MAIN_CONFIG" not in os.environ and not (REPO / main_config).is_file():
         main_config = "configs/mingpt/cpu.yaml"  # the plumbing, until configs/mingpt/gpu.yaml exists
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = launch.bench_env(PYTHONUNBUFFERED="1")
     if dry:
         env.setdefault("OMP_NUM_THREADS", "1")  # the dry run's processes share a small CPU: one thread each
     linger = float(os.environ.get("BENCH_GPU_LINGER_S", 60 if dry else LINGER_S))
     ctx = Context(sys.executable, dry, work, logs, env, main_config, linger)
-    become_subreaper()
+    launch.become_subreaper()
     print(f"bench.gpu_check: {'DRY RUN on the CPU, ' if dry else ''}parts {' '.join(parts)}; budget {budget:.0f} s; "
           f"logs under {logs}", flush=True)  # fmt: skip
     carry = 0.0
@@ -669,7 +517,7 @@ def main() -> int:
             row = RUNNERS[part](ctx, box)
         except Exception as e:  # one part's bug must not cost the table
             row = Row(part, f"error: {type(e).__name__}", str(e)[:300])
-        leftovers = end_leftovers(logs / f"{part}_leftovers.log")
+        leftovers = launch.end_leftovers(logs / f"{part}_leftovers.log")
         row.wall, row.box = time.monotonic() - t0, box
         if leftovers:
             row.figures += f" ({len(leftovers)} leftover processes killed)"
@@ -683,8 +531,8 @@ def main() -> int:
     gpu = ctx.rows["setup"].data.get("gpu", "?") if "setup" in ctx.rows else "?"
     header = (f"## bench.gpu_check{' (DRY RUN: CPU, tiny sizes)' if dry else ''}: {gpu}; {total:.0f} s of a "
               f"{budget:.0f} s budget; main job config {main_config}")  # fmt: skip
-    table = markdown_table(rows, header)
-    (out / "table.md").write_text(table)
+    text = table(rows, header)
+    (out / "table.md").write_text(text)
     results = {r.part: {"status": r.status, "wall": r.wall, "box": r.box, "figures": r.figures, "data": r.data}
                for r in rows}  # fmt: skip
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
@@ -694,7 +542,7 @@ def main() -> int:
             tar.add(clock, arcname=f"logs/{clock.name}")
         for job in work.glob("chaos_*/*.log"):  # lit-ddp chaos's jobs: reference.log, faulted.log
             tar.add(job, arcname=f"logs/{job.parent.name}_{job.name}")
-    print("\n" + table, flush=True)
+    print("\n" + text, flush=True)
     good = ("ok", "identical", "PASS")
     return 0 if all(r.status.startswith(good) for r in rows if r.part != "ratio") else 1
 

@@ -1,16 +1,10 @@
-"""Kernel launches of the GPU main job's step, counted on a CPU (issue 52): the aten ops that one optimizer step and
-one training step of ``configs/mingpt/gpu.yaml``'s model dispatch (an eager op is about one CUDA kernel launch), and
-their milliseconds here, for the recipe's optimizer (:func:`lit_ddp.recipe.build_optimizer`: ``torch.optim.Muon``
-and AdamW, as a CPU steps it, one parameter at a time, and as CUDA does, ``foreach``) and for gpu.yaml's, the same
-after its :class:`~lit_ddp.callbacks.batched_step.BatchedOptimizerStep` (BatchedMuon, AdamW ``fused`` as on CUDA).
-
-The model is gpu.yaml's (6 x 6 x 384, rotary, no biases, dropout 0.2; not compiled), in train mode under bf16
-autocast (its ``bf16-mixed``); a training step is forward, backward, optimizer step and ``zero_grad`` on a batch of
-4 x 256 tokens (gpu.yaml's is 64 x 256: fewer rows keep this fast and change no op count). Counted over each
-optimizer's second step (its state made); ms: the median of ``--reps`` steps taken by turns, after one. CPU
-attention kernels differ from CUDA's, so the training step's count is near, not equal to, a GPU's.
-
-    python -m bench.launches              # about a minute here (make bench-launches)
+"""Kernel launches of the GPU main job's step, counted on a CPU (issue 52; ``make bench-launches``, about a minute):
+the aten ops (an eager op is about one CUDA kernel launch) and milliseconds of one optimizer step and one training
+step of ``configs/mingpt/gpu.yaml``'s model (not compiled, train mode, bf16 autocast, 4 x 256 tokens: fewer rows than
+gpu.yaml's 64 change no op count), for the recipe's optimizer (``torch.optim.Muon`` and AdamW, as a CPU steps it and
+as CUDA does, ``foreach``) and for gpu.yaml's :class:`~lit_ddp.callbacks.batched_step.BatchedOptimizerStep`
+(BatchedMuon, AdamW ``fused``). Counted over each optimizer's second step; ms: the median of ``--reps`` steps by
+turns. CPU attention kernels differ from CUDA's: the training step's count is near a GPU's, not equal.
 """
 
 from __future__ import annotations
@@ -18,7 +12,6 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +20,7 @@ import torch
 import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.harness.measure import alternate, markdown_table, seconds
 from lit_ddp.callbacks.batched_step import batch_optimizer_step
 from lit_ddp.data.char import build_vocab
 from lit_ddp.recipe import build_optimizer
@@ -107,12 +101,8 @@ class Job:
 
     def time(self) -> tuple[float, float]:
         """Milliseconds of (the optimizer step, the training step)."""
-        t0 = time.perf_counter()
-        self.forward_backward()
-        t1 = time.perf_counter()
-        self.optimizer_step()
-        t2 = time.perf_counter()
-        return (t2 - t1) * 1e3, (t2 - t0) * 1e3
+        backward, step = seconds(self.forward_backward), seconds(self.optimizer_step)
+        return step * 1e3, (backward + step) * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -128,10 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         job.optimizer_step()  # the state, BatchedMuon's stacks
         optimizer_ops, training_ops = job.count()
         results[name] = {"optimizer_ops": optimizer_ops, "training_ops": training_ops}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in jobs}
-    for _ in range(args.reps):
-        for name, job in jobs.items():
-            times[name].append(job.time())
+    times = alternate({name: job.time for name, job in jobs.items()}, args.reps)
     for name, measured in times.items():
         results[name]["optimizer_ms"] = statistics.median(t[0] for t in measured)
         results[name]["training_ms"] = statistics.median(t[1] for t in measured)
@@ -140,10 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     rows = [("aten ops per optimizer step", "optimizer_ops", "{:.0f}"),
             ("aten ops per training step", "training_ops", "{:.0f}"),
             ("optimizer step ms", "optimizer_ms", "{:.1f}"), ("training step ms", "training_ms", "{:.1f}")]  # fmt: skip
-    print("| | " + " | ".join(results) + " |")
-    print("|---|" + "---:|" * len(results))
-    for label, key, fmt in rows:
-        print(f"| {label} | " + " | ".join(fmt.format(r[key]) for r in results.values()) + " |")
+    lines = [[label, *(spec.format(r[key]) for r in results.values())] for label, key, spec in rows]
+    print(markdown_table(["", *results], lines, align="---:"))
     return results
 
 

@@ -1,42 +1,22 @@
 """The reference the main job is timed against: nanoGPT's Shakespeare-char recipes as a plain single-process
 PyTorch loop, on the CPU (``--recipe cpu``, the default) or a GPU (``--recipe gpu``).
 
-``--recipe cpu``: nanoGPT's README trains a "baby GPT" on a CPU with ``train.py config/train_shakespeare_char.py
---device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
---n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0``.
+``--recipe cpu``: nanoGPT's README "baby GPT" on a CPU (``train.py config/train_shakespeare_char.py --device=cpu
+--compile=False --eval_iters=20 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
+--lr_decay_iters=2000 --dropout=0.0``). ``--recipe gpu``: ``config/train_shakespeare_char.py`` on one GPU with
+``max_iters`` and ``lr_decay_iters`` 2000 (issue 44): 6 x 6 x 384, context 256, 64 windows, dropout 0.2, evaluation
+every 250 iterations over 200 batches of each split; bf16 autocast, ``torch.compile``, fused AdamW, TF32, pinned
+batches. nanoGPT's README reports val loss 1.4697 for it (the mark the GPU main job is timed against).
 
-``--recipe gpu``: ``train.py config/train_shakespeare_char.py`` on one GPU with ``max_iters`` and
-``lr_decay_iters`` at 2000 (the config says 5000; issue 44 measured nanoGPT with 2000): 6 layers x 6 heads x 384
-wide, context 256, 64 windows per iteration, dropout 0.2, evaluation every 250 iterations over 200 batches of each
-split; and ``train.py``'s GPU defaults: bf16 autocast (``dtype`` bfloat16 where the GPU has it), ``torch.compile``
-of the whole model, fused AdamW, TF32 matmuls allowed, batches through pinned memory (``non_blocking``). nanoGPT's
-README reports val loss 1.4697 for this run (the mark the GPU main job is timed against).
-
-Both follow the recipe from its facts, with the model of :mod:`lit_ddp.models.gpt` (the same architecture code as
-ours):
-
-- data: char-level Tiny Shakespeare; vocabulary = sorted distinct characters of the whole text; first 90%
-  train, last 10% validation (``shakespeare_char/prepare.py``); ``batch_size`` windows of ``block_size``
-  characters per iteration at uniformly random positions (``get_batch``);
-- model: no biases, tied head, GPT-2 init;
-- AdamW lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on parameters with 2 or more dimensions only, warmup
-  100 iterations then cosine down to 1e-4 at ``max_iters`` (``get_lr``), gradient clipping at norm 1.0;
-- evaluation at iteration 0 and every 250: mean loss over ``eval_iters`` random batches of each split, in eval
-  mode (under the same autocast);
-- seed 1337 before building the model; torch threads = ``os.cpu_count()`` (nanoGPT leaves torch's
-  default, one thread per physical core).
-
-This file is the *reference*, so its recipe is nanoGPT's, written out here on purpose rather than taken from
-:mod:`lit_ddp.recipe` (the job's, which every other benchmark uses): nanoGPT's AdamW groups (decay by
-dimension, not minGPT's by module type) and nanoGPT's ``get_lr`` (:func:`get_lr`).
-
-Left out: nanoGPT's checkpoint writes on a new best val loss (milliseconds for the CPU recipe's 0.8M-parameter
-model; for the GPU recipe's 10.7M, a 130 MB ``torch.save`` at each improving evaluation), its progress prints
-(``loss.item()`` every 10 iterations) and the extra training step it runs after the final evaluation. Times
-are wall-clock seconds since the process started (from ``/proc``, so interpreter start-up and imports count,
-as for a timed launch). Iteration time: the training iterations between two evaluations (the GPU synchronized
-at both ends), the first interval (compilation, warm-up) left out when there are later ones; MFU against
-Lightning's table of peaks (as the main job's ThroughputMonitor), computed after the last evaluation.
+nanoGPT's recipe from its facts, with the model of :mod:`lit_ddp.models.gpt` (no biases, tied head): vocabulary the
+sorted distinct characters, first 90% train, random windows (``prepare.py``, ``get_batch``); AdamW lr 1e-3, betas
+(0.9, 0.99), weight decay 0.1 on 2-D parameters only, 100 warmup iterations then a cosine to 1e-4 (``get_lr``),
+clipping at 1.0; evaluation at 0 and every 250 iterations (``estimate_loss``); seed 1337; torch threads
+``os.cpu_count()``. Written out here on purpose, not taken from :mod:`lit_ddp.recipe` (the job's), and imports no
+Lightning, so its start-up is a plain loop's. Left out: nanoGPT's checkpoint writes, progress prints, and the step
+after the final evaluation. Times are seconds since the process started (``/proc``: start-up and imports count);
+iteration time from the iterations between evaluations, the first interval (compilation) left out; MFU against the
+throughput callback's peak (:func:`bench.harness.measure.peak_flops`), after the last evaluation.
 
     nice -n 10 .venv/bin/python -m bench.nanogpt_reference --target 1.886
     python -m bench.nanogpt_reference --recipe gpu --stop_at_target --json /tmp/reference.json
@@ -52,25 +32,46 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from bench.charlm import estimate_loss, get_batch, load_splits
+from bench.harness.launch import process_started_at
+from lit_ddp.data.sources import read_embedded_text
 from lit_ddp.models.gpt import GPT, GPTConfig
 
-
-def process_start_time() -> float:
-    """Unix time at which this process started (Linux ``/proc``); now where ``/proc`` is missing."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        boot = next(
-            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError, StopIteration):
-        return time.time()
+LAUNCH = process_started_at()
 
 
-LAUNCH = process_start_time()
+def load_splits(train_fraction: float = 0.9) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Tiny Shakespeare as ``shakespeare_char/prepare.py`` makes it: ``(vocab, train ids, val ids)``, ids int64."""
+    text = read_embedded_text()
+    vocab = "".join(sorted(set(text)))
+    table = np.zeros(max(map(ord, vocab)) + 1, dtype=np.int64)
+    table[[ord(c) for c in vocab]] = np.arange(len(vocab))
+    ids = torch.from_numpy(table[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)])
+    n = int(len(ids) * train_fraction)
+    return vocab, ids[:n], ids[n:]
+
+
+def get_batch(data: torch.Tensor, block_size: int, batch_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(x, y)``, both ``(B, T)``, windows at uniform random starts (``get_batch``), on ``device`` through pinned
+    memory without waiting on a GPU."""
+    ix = torch.randint(len(data) - block_size, (batch_size,)).tolist()
+    x = torch.stack([data[i : i + block_size] for i in ix])  # (B, T)
+    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])  # (B, T)
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def estimate_loss(model: torch.nn.Module, data: torch.Tensor, block_size: int, batch_size: int, iters: int,
+                  device: torch.device) -> float:  # fmt: skip
+    """Mean loss over ``iters`` random batches of ``data`` in eval mode (``estimate_loss``)."""
+    model.eval()
+    losses = [model(*get_batch(data, block_size, batch_size, device))[1].item() for _ in range(iters)]
+    model.train()
+    return sum(losses) / len(losses)
 
 
 def get_lr(it: int, learning_rate: float, min_lr: float, warmup_iters: int, lr_decay_iters: int) -> float:
@@ -92,29 +93,6 @@ RECIPES: dict[str, dict[str, int | float]] = {
     "gpu": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "batch_size": 64, "dropout": 0.2,
             "eval_iters": 200, "target": 1.4697},
 }  # fmt: skip
-
-
-def to_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, y)`` on ``device``: through pinned memory without waiting on a GPU (nanoGPT's ``get_batch``)."""
-    if device.type == "cuda":
-        return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)  # type: ignore[return-value]
-    return batch[0].to(device), batch[1].to(device)
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's peak FLOP/s for ``dtype`` as the main job's TokenThroughputMonitor finds it (the project's figure
-    for GPUs Lightning's table misses, else Lightning's table), None where neither has one (CPUs). Imported here,
-    after the timed run."""
-    if device.type != "cuda":
-        return None
-    from lightning.fabric.utilities.throughput import get_available_flops
-
-    from lit_ddp.callbacks.throughput import peak_flops as project_peak
-
-    flops = project_peak(device, "bf16-mixed" if dtype == torch.bfloat16 else "32-true")
-    if flops is None:
-        flops = get_available_flops(device, dtype if dtype != torch.float32 else "tfloat32")
-    return None if flops is None else float(flops)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     evals: list[dict] = []
     intervals: list[tuple[int, float]] = []  # (training iterations, seconds) between consecutive evaluations
     reached: float | None = None
-    x, y = to_device(get_batch(train, block_size, batch_size), device)
+    x, y = get_batch(train, block_size, batch_size, device)
     started, since = time.perf_counter(), 0
     for it in range(args.max_iters + 1):
         for group in optimizer.param_groups:
@@ -208,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
             started, since = time.perf_counter(), it
         with ctx():
             _, loss = model(x, y)
-        x, y = to_device(get_batch(train, block_size, batch_size), device)  # the next batch, as nanoGPT prefetches it
+        x, y = get_batch(train, block_size, batch_size, device)  # the next batch, as nanoGPT prefetches it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
@@ -218,7 +196,12 @@ def main(argv: list[str] | None = None) -> dict:
     iters, train_time = sum(n for n, _ in steady), sum(t for _, t in steady)
     tokens_per_s = iters * batch_size * block_size / train_time if train_time else None
     ms_per_iter = 1e3 * train_time / iters if iters else None
-    peak = peak_flops(device, dtype)
+    if device.type == "cuda":  # imported after the timed run
+        from bench.harness.measure import peak_flops
+
+        peak = peak_flops(device, "bf16-mixed" if dtype == torch.bfloat16 else "32-true")
+    else:
+        peak = None
     flops_per_token = raw_model.flops_per_token()
     mfu = tokens_per_s * flops_per_token / peak if tokens_per_s and peak else None
     if tokens_per_s is not None:

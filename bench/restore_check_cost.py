@@ -1,16 +1,9 @@
-"""What the restore check (:mod:`lit_ddp.resilience.restore_check`) costs a resume, side by side with the save it
-guards: the seconds of one rank's comparison of its restored state with the loaded checkpoint's, against the
-seconds of writing that checkpoint (``torch.save`` to a local file and ``fsync``, as AtomicCheckpointIO writes it).
-A save itself pays nothing: the check reads the checkpoint a resume loads anyway.
+"""What the restore check (:mod:`lit_ddp.resilience.restore_check`) costs a resume (``make bench-restore``): one rank's
+comparison of its restored state with the loaded checkpoint's, against writing that checkpoint (``torch.save`` and
+``fsync``); a save pays nothing. The state: the tutorial GPT (8 x 8 x 512, context 128), AdamW after one step, the RNG
+states; medians of ``--repeats`` by turns. ``--sharded``: FSDP2 on one process, a DCP checkpoint, which the check
+reads a second time into copies of the live shards (:meth:`lit_ddp.strategies.FSDP2Strategy.read_sharded_state`).
 
-The state: the tutorial-size GPT (``configs/mingpt/tutorial.yaml``'s 8 x 8 x 512, context 128) with AdamW's
-moments after one step, and the RNG states. Each figure is the median of ``--repeats`` alternated runs.
-``--sharded``: the same under FSDP2 on one process (gloo), a sharded checkpoint written by torch's distributed
-checkpoint; the check reads it a second time into copies of the live shards and compares them
-(:meth:`lit_ddp.strategies.FSDP2Strategy.read_sharded_state`, :func:`lit_ddp.resilience.restore_check.sharded_states`).
-
-    python -m bench.restore_check_cost                 # the tutorial model, about a minute here
-    python -m bench.restore_check_cost --sharded       # the same under FSDP2
     python -m bench.restore_check_cost --model-type gpt-nano --repeats 3   # the plumbing
 """
 
@@ -20,23 +13,39 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from bench.harness.launch import free_port
+from bench.harness.measure import alternate, save_fsynced, seconds
 from lit_ddp.resilience.restore import capture_rng
 from lit_ddp.resilience.restore_check import first_mismatch, promised, restored
 from lit_ddp.tasks.mingpt import GPTModule
 
+VOCAB = "".join(chr(i) for i in range(32, 97))
 
-def save(state: dict[str, Any], path: Path) -> None:
-    with path.open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+
+def stepped(model_type: str, shard: Any = None) -> tuple[GPTModule, Any, torch.optim.Optimizer]:
+    """The GPT (``shard``: wrapped by it) and its AdamW after one step."""
+    module = GPTModule(model_type=model_type, block_size=128, vocab=VOCAB)
+    module.configure_model()
+    model = shard(module.model) if shard else module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, len(VOCAB), (2, 128))
+    model(x, x)[1].backward()  # (logits, loss)
+    optimizer.step()
+    return module, model, optimizer
+
+
+def report(args: argparse.Namespace, took: dict[str, list[float]], module: GPTModule, what: str) -> dict[str, float]:
+    check_s, save_s = statistics.median(took["check"]), statistics.median(took["save"])
+    params = sum(p.numel() for p in module.parameters()) / 1e6
+    print(f"{args.model_type}{' under FSDP2' if args.sharded else ''}: {params:.1f}M parameters, {what} written in "
+          f"{save_s:.3f} s; the restore check: 0 s per save, {check_s:.3f} s per resume ({check_s / save_s:.2f}x a save)")  # fmt: skip
+    return {"check_s": check_s, "save_s": save_s}
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -47,37 +56,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     if args.sharded:
         return sharded(args)
-    vocab = "".join(chr(i) for i in range(32, 97))
-    module = GPTModule(model_type=args.model_type, block_size=128, vocab=vocab)
-    module.configure_model()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    x = torch.randint(0, len(vocab), (2, 128))
-    module(x, x)[1].backward()  # (logits, loss)
-    optimizer.step()
+    module, _, optimizer = stepped(args.model_type)
     trainer: Any = SimpleNamespace(global_step=1, optimizers=[optimizer], lr_scheduler_configs=[])
     rng = capture_rng(torch.device("cpu"))
     state = {"global_step": 1, "state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()]}
-    took: dict[str, list[float]] = {"check": [], "save": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "last.ckpt"
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            save(state, path)
-            took["save"].append(time.perf_counter() - t)
-        size = path.stat().st_size
+        save_fsynced(state, path)
         loaded = torch.load(path, weights_only=True)  # what a resume has in memory: other tensors, equal bits
-        for _ in range(args.repeats):
-            t = time.perf_counter()
+
+        def check() -> None:
             mismatch = first_mismatch(promised(loaded, rng, True), restored(trainer, module, rng, True))
-            took["check"].append(time.perf_counter() - t)
             assert mismatch is None, mismatch
-    check_s, save_s = statistics.median(took["check"]), statistics.median(took["save"])
-    params = sum(p.numel() for p in module.parameters())
-    print(
-        f"{args.model_type}: {params / 1e6:.1f}M parameters, checkpoint {size / 1e6:.0f} MB written in {save_s:.3f} s; "
-        f"the restore check: 0 s per save, {check_s:.3f} s per resume ({check_s / save_s:.2f}x a save)"
-    )
-    return {"check_s": check_s, "save_s": save_s}
+
+        took = alternate({"save": lambda: seconds(lambda: save_fsynced(state, path)), "check": lambda: seconds(check)},
+                         args.repeats)  # fmt: skip
+        return report(args, took, module, f"checkpoint {path.stat().st_size / 1e6:.0f} MB")
 
 
 def sharded(args: argparse.Namespace) -> dict[str, float]:
@@ -91,45 +85,31 @@ def sharded(args: argparse.Namespace) -> dict[str, float]:
     from lit_ddp.strategies import FSDP2Strategy
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        vocab = "".join(chr(i) for i in range(32, 97))
-        module = GPTModule(model_type=args.model_type, block_size=128, vocab=vocab)
-        module.configure_model()
-        model = fully_shard(module.model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        x = torch.randint(0, len(vocab), (2, 128))
-        model(x, x)[1].backward()
-        optimizer.step()
+        module, model, optimizer = stepped(args.model_type, fully_shard)
         strategy: Any = SimpleNamespace(model=model, optimizers=[optimizer])
         strategy.sharded_state = lambda: FSDP2Strategy.sharded_state(strategy)
-        took: dict[str, list[float]] = {"check": [], "save": []}
         with tempfile.TemporaryDirectory() as tmp:
-            for i in range(args.repeats):
-                path = Path(tmp) / f"last-{i}.ckpt"
-                t = time.perf_counter()
-                dcp.save(strategy.sharded_state(), checkpoint_id=path)
-                took["save"].append(time.perf_counter() - t)
-                t = time.perf_counter()
+
+            def check(path: Path) -> None:
                 promised_leaves: dict[str, Any] = {}
                 restored_leaves: dict[str, Any] = {}
                 _add(promised_leaves, "shards", _local(FSDP2Strategy.read_sharded_state(strategy, path)))
                 _add(restored_leaves, "shards", _local(strategy.sharded_state()))
                 mismatch = first_mismatch(promised_leaves, restored_leaves)
-                took["check"].append(time.perf_counter() - t)
                 assert mismatch is None, mismatch
+
+            took: dict[str, list[float]] = {"save": [], "check": []}
+            for i in range(args.repeats):  # each check reads the save just before it
+                path = Path(tmp) / f"last-{i}.ckpt"
+                took["save"].append(seconds(lambda p=path: dcp.save(strategy.sharded_state(), checkpoint_id=p)))
+                took["check"].append(seconds(lambda p=path: check(p)))
             size = sum(f.stat().st_size for f in path.iterdir())
     finally:
         dist.destroy_process_group()
-    check_s, save_s = statistics.median(took["check"]), statistics.median(took["save"])
-    params = sum(p.numel() for p in module.parameters())
-    print(
-        f"{args.model_type} under FSDP2: {params / 1e6:.1f}M parameters, sharded checkpoint {size / 1e6:.0f} MB "
-        f"written in {save_s:.3f} s; the restore check: 0 s per save, {check_s:.3f} s per resume "
-        f"({check_s / save_s:.2f}x a save)"
-    )
-    return {"check_s": check_s, "save_s": save_s}
+    return report(args, took, module, f"sharded checkpoint {size / 1e6:.0f} MB")
 
 
 if __name__ == "__main__":

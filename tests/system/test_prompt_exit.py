@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import read_run_clock
+from bench.harness.clock import read_clock
+from bench.harness.launch import clock_args
 from tests import helpers
 
 LINGER_S = 15.0
@@ -46,7 +47,7 @@ def test_three_fits_at_once_exit_promptly(tmp_path: Path, runner: helpers.Runner
         cmd = helpers.lit_ddp(
             "fit", "--config", str(helpers.CONFIGS / "mingpt" / "cpu.yaml"), "--trainer.devices", "1",
             "--trainer.max_steps", str(STEPS), "--trainer.default_root_dir", str(tmp_path / f"run{i}"), *helpers.QUIET,
-            "--trainer.callbacks+=bench.run_clock.RunClock", f"--trainer.callbacks.init_args.path={clock}",
+            *clock_args(clock),
         )  # fmt: skip
         jobs.append((runner.track(helpers.start(cmd, env=env)), clock))
     ended: dict[int, float] = {}
@@ -60,7 +61,7 @@ def test_three_fits_at_once_exit_promptly(tmp_path: Path, runner: helpers.Runner
             if proc.poll() is not None:
                 ended[i] = now
                 continue
-            steps = read_run_clock(clock)["step"]
+            steps = read_clock(clock)["step"]
             if i not in dumps and steps and steps[-1][1] == STEPS and now - steps[-1][0] > LINGER_S:
                 dumps[i] = stacks(proc.pid)
         time.sleep(0.1)
@@ -69,7 +70,7 @@ def test_three_fits_at_once_exit_promptly(tmp_path: Path, runner: helpers.Runner
         out = helpers.wait(proc, 10)
         assert out.returncode == 0, out.stdout[-3000:]
         assert "sample:" in out.stdout, out.stdout[-2000:]
-        events = read_run_clock(clock)
+        events = read_clock(clock)
         steps, end = events["step"], events["end"]
         assert steps and steps[-1][1] == STEPS, f"job {i}: {steps[-3:]}"
         last = steps[-1][0]

@@ -15,12 +15,12 @@ from bench.gpu_check import (
     RUNNERS,
     Row,
     chosen_parts,
-    markdown_table,
     mean_after_first,
-    read_run_clock,
     reference_evals,
     seconds_to_marks,
+    table,
 )
+from bench.harness.clock import read_clock
 
 
 def test_each_half_fits_the_budget_in_order_of_value() -> None:
@@ -43,12 +43,20 @@ def test_chosen_parts_keep_the_table_order_and_the_setup() -> None:
 
 def test_run_clock_file(tmp_path: Path) -> None:
     clock = tmp_path / "clock.txt"
-    clock.write_text("start 100.0 42\nstep 101.5 1\nval 103.0 250 1.62\ntput 103.1 250 1.5e6 nan\nstep 104.0 2\nval 10")
-    events = read_run_clock(clock)
-    assert events["start"] == [(100.0, 42.0)] and events["step"] == [(101.5, 1.0), (104.0, 2.0)]
-    assert events["val"] == [(103.0, 250.0, 1.62)] and events["end"] == []  # the half-written line is left out
+    lines = ["start 100.0 42 99.5", "step 101.5 1 42", "step 102.0 2 42", "val 103.0 2 1.62", "tput 103.1 2 1.5e6 nan",
+             "step 104.0 3 42", "step 104.5 4 42", "val 10"]  # fmt: skip
+    clock.write_text("\n".join(lines))
+    events = read_clock(clock)
+    assert events["start"] == [(100.0, 42.0, 99.5)] and [e[:2] for e in events["step"]] == [
+        (101.5, 1),
+        (102, 2),
+        (104, 3),
+        (104.5, 4),
+    ]
+    assert events["val"] == [(103.0, 2.0, 1.62)] and events["end"] == []  # the half-written line is left out
+    assert events["span"] == [(101.5, 102.0), (104.0, 104.5)]  # not across the validation
     assert mean_after_first([e[3] for e in events["tput"]]) is None  # no MFU logged (nan)
-    assert read_run_clock(tmp_path / "missing")["step"] == []
+    assert read_clock(tmp_path / "missing")["step"] == []
 
 
 def test_marks_from_the_reference_log() -> None:
@@ -62,5 +70,5 @@ def test_marks_from_the_reference_log() -> None:
 
 
 def test_table_is_one_line_per_part() -> None:
-    table = markdown_table([Row("main", "ok", "a | b", wall=51.2, box=75)], "## header")
-    assert table.splitlines()[-1] == "| main | 51 (75) | ok | a / b |"
+    text = table([Row("main", "ok", "a | b", wall=51.2, box=75)], "## header")
+    assert text.splitlines()[-1] == "| main | 51 (75) | ok | a / b |"
