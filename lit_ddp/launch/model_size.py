@@ -27,6 +27,7 @@ from torch.nn.modules.module import (
 
 from lit_ddp.errors import UsageError
 from lit_ddp.launch.environment import config_value
+from lit_ddp.run_dir import untrusted
 
 EXTRA_BYTES = 1 << 30
 """Bytes a model may hold outside its state_dict (non-persistent buffers) beyond its state_dict's own size."""
@@ -43,17 +44,15 @@ class _TooManyTensors(Exception):
 
 
 def state_shapes(source: str | os.PathLike[str] | IO[bytes]) -> dict[str, tuple[int, ...]]:
-    """The shapes of a checkpoint's ``state_dict`` entries, read with ``torch.load(weights_only=True)``: a local
+    """The shapes of a checkpoint's ``state_dict`` entries, read by :func:`lit_ddp.run_dir.untrusted.load`: a local
     file memory-mapped (no tensor is read), a file object (a sharded checkpoint made one, in memory) read and rewound.
 
     Raises:
-        pickle.UnpicklingError: the file holds more than tensors and plain data.
+        UntrustedFileError: the file holds more than tensors and plain data.
         RuntimeError, EOFError, ValueError, OSError: it is not a ``torch.save`` archive.
     """
-    if isinstance(source, str | os.PathLike):
-        checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-    else:
-        checkpoint = torch.load(source, map_location="cpu", weights_only=True)
+    checkpoint = untrusted.load(source, mmap=True)  # the one loading policy; a local file memory-mapped
+    if not isinstance(source, str | os.PathLike):
         source.seek(0)
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     return {str(k): tuple(v.shape) for k, v in (state or {}).items() if isinstance(v, torch.Tensor)}

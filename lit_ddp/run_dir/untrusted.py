@@ -32,7 +32,7 @@ import pickle
 import stat
 import warnings
 from collections.abc import MutableMapping
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 import torch
@@ -110,22 +110,28 @@ def writable_by_others(directory: str | os.PathLike) -> bool:
         return False
 
 
-def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
-    """A ``torch.save`` file (a local path or an fsspec URL) read with ``torch.load(weights_only=True)``.
+def load(source: str | os.PathLike | IO[bytes], map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """A ``torch.save`` file (a local path, an fsspec URL or an open binary file) read with
+    ``torch.load(weights_only=True)``; ``mmap``: a local file memory-mapped, its tensors not read until used.
 
     Raises:
-        UntrustedFileError: ``path`` is a URL, or the file holds objects other than tensors and plain data.
+        UntrustedFileError: ``source`` is a URL, or the file holds objects other than tensors and plain data.
         OSError: it cannot be read.
     """
-    refuse_url(path, "checkpoint")
-    with fsspec.open(str(path), "rb") as f:
-        try:
+    name = source if isinstance(source, str | os.PathLike) else getattr(source, "name", "checkpoint")
+    try:
+        if not isinstance(source, str | os.PathLike):
+            return torch.load(source, map_location=map_location, weights_only=True)
+        refuse_url(source, "checkpoint")
+        if mmap and "://" not in str(source):
+            return torch.load(str(source), map_location=map_location, weights_only=True, mmap=True)
+        with fsspec.open(str(source), "rb") as f:
             return torch.load(f, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UntrustedFileError(
-                f"{path} holds objects other than tensors and plain data, which lit-ddp does not load "
-                f"(torch.load(weights_only=True) refused it: {_reason(e)})"
-            ) from None
+    except pickle.UnpicklingError as e:
+        raise UntrustedFileError(
+            f"{name} holds objects other than tensors and plain data, which lit-ddp does not load "
+            f"(torch.load(weights_only=True) refused it: {_reason(e)})"
+        ) from None
 
 
 def _metadata_globals() -> dict[tuple[str, str], Any]:

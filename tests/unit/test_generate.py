@@ -113,7 +113,7 @@ def test_generate_rejects_other_files(tmp_path: Path, capsys: pytest.CaptureFixt
     text.write_text("not a checkpoint\n")
     for path, message in [
         (other, f"--ckpt_path {other} is not a minGPT checkpoint"),
-        (pickled, "cannot be loaded with torch.load(weights_only=True)"),
+        (pickled, "holds objects other than tensors and plain data, which lit-ddp does not load"),
         (tmp_path / "missing.ckpt", "no such file"),
         (empty, f"--ckpt_path {empty} is empty (0 bytes), not a checkpoint"),
         (text, f"--ckpt_path {text} is not a readable checkpoint: File is not a zip file"),
