@@ -87,7 +87,7 @@ class OptimizerChain(torch.optim.Optimizer):
         return torch.optim.Optimizer.state_dict(self)  # torch's format, over the optimizers' groups and state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("optimizers")  # one state_dict per optimizer: this chain's format until 2026-11-26
+        saved = state_dict.get("optimizers")  # one state_dict per optimizer: older checkpoints' format
         if saved is None:  # torch's: each optimizer its own groups, and their parameters' state
             groups, saved = list(state_dict["param_groups"]), []
             for opt in self.optimizers:

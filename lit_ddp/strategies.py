@@ -55,20 +55,21 @@ def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, Any]:
 
 class DDPStrategy(compat.DDPOnTheTrainingStream):
     """Lightning's ``DDPStrategy`` with the per-step buffer broadcast chosen by ``sync_buffers`` on every supported
-        torch (:func:`ddp_buffer_kwargs`), so that one YAML (``configs/trainer/ddp.yaml``) runs without a warning or a
-        rejected option from torch 2.9 to 2.15, and DDP built on the stream that trains
-    (:class:`lit_ddp.compat.DDPOnTheTrainingStream`).
+    torch (:func:`ddp_buffer_kwargs`), so that one YAML (``configs/trainer/ddp.yaml``) runs without a warning or a
+    rejected option from torch 2.9 to 2.15, and DDP built on the stream that trains
+    (:class:`lit_ddp.compat.DDPOnTheTrainingStream`). A run on one machine listens on loopback only
+    (:mod:`lit_ddp.launch.loopback`).
 
-        Args:
-            sync_buffers: True: DDP broadcasts every buffer from rank zero before each forward, a blocking collective per
-                step, which a model whose training changes its buffers (BatchNorm's running statistics) wants, or
-                SyncBatchNorm. False (the default): no per-step broadcast; this project's models have no buffer that
-                training changes.
-            **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout``, ``process_group_backend``, ...) and
-                ``DistributedDataParallel``'s, except its buffer arguments.
+    Args:
+        sync_buffers: True: DDP broadcasts every buffer from rank zero before each forward, a blocking collective per
+            step, which a model whose training changes its buffers (BatchNorm's running statistics) wants, or
+            SyncBatchNorm. False (the default): no per-step broadcast; this project's models have no buffer that
+            training changes.
+        **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout``, ``process_group_backend``, ...) and
+            ``DistributedDataParallel``'s, except its buffer arguments.
 
-        Raises:
-            ValueError: ``forward_sync_buffers`` or ``broadcast_buffers`` among ``kwargs`` (say ``sync_buffers``).
+    Raises:
+        ValueError: ``forward_sync_buffers`` or ``broadcast_buffers`` among ``kwargs`` (say ``sync_buffers``).
     """
 
     def __init__(self, sync_buffers: bool = False, **kwargs: Any) -> None:
@@ -100,7 +101,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     Lightning's ``ModelParallelStrategy`` leaves the sharding to each LightningModule's ``configure_model`` and
     sizes its mesh ``num_nodes`` x devices per node (tensor parallel within a node); ``FSDPStrategy``, which
-    shards by a policy, is FSDP1 and refuses CPUs (Lightning issue 21812). Hence our own: the modules DDP trains
+    shards by a policy, is FSDP1 and refuses CPUs (Lightning issue 21812). Here the modules DDP trains
     are sharded unchanged, by the ``units`` named in YAML (torchtitan's layout: a unit per block, the rest in the
     root), and the same config runs on 2 CPU processes and on 8 GPUs. The sizes are set through
     :func:`lit_ddp.compat.set_model_parallel_sizes`.

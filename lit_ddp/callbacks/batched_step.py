@@ -1,4 +1,4 @@
-"""The GPU main job's optimizer step in few kernel launches (issue 52): Muon's matrices orthogonalized in stacks
+"""The GPU main job's optimizer step in few kernel launches: Muon's matrices orthogonalized in stacks
 (:class:`lit_ddp.compat.BatchedMuon`) and AdamW ``fused``, put in place of the recipe's optimizers before the first
 step. ``configs/mingpt/gpu.yaml`` names the callback; the recipe (:mod:`lit_ddp.recipe`), which the tutorial reads,
 keeps ``torch.optim.Muon``.

@@ -19,8 +19,8 @@ at most 2.74 and 2.96; none fell outside K = 3, 4 and 3 outside 2.5 (another 3,4
 first and second assigned otherwise: 6 outside 3, none outside 3.5).
 The report gives both runs' distances at the first logged step after each resume.
 
-Under deterministic kernels the spread is 0 and this is the bit-for-bit test. Our own code: no library does it
-(torchtitan compares loss curves only in a deterministic debug mode).
+Under deterministic kernels the spread is 0 and this is the bit-for-bit test. torchtitan, the nearest, compares loss
+curves only in a deterministic debug mode.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ injected from outside, then compares the two final checkpoints bit for bit.
   the spread and both distances at the first logged step after each resume.
 
 Exit status: 0 identical, 1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
-No library does this (torchft's injector checks convergence only), hence our code.
+torchft's fault injector, the nearest library, checks convergence only, not a resume against a rerun.
 """
 
 from __future__ import annotations

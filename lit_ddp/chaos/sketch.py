@@ -6,7 +6,7 @@ in every run (drawn from a generator of its own, never from the RNG the run rest
 ``.chaos_sketch/step_N.pt`` in the run directory; a step a resumed run trains again is written again. Two runs'
 relative distance over these coordinates (:func:`relative_distance`) sums thousands of small differences, so at
 one step it lies close to its mean, where a loss at one step is one random draw: it can be judged step by step.
-Under FSDP2 or tensor parallelism the sample is of rank zero's shards. Our own code: no library does it.
+Under FSDP2 or tensor parallelism the sample is of rank zero's shards.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ machine (one node, ``MASTER_ADDR`` a loopback address or unset), :func:`init_pro
 process group itself, before Lightning would: the store listens on a socket bound to ``127.0.0.1`` and handed to
 torch (TCPStore's ``master_listen_fd``), and gloo and NCCL use the loopback interface (``GLOO_SOCKET_IFNAME``,
 ``NCCL_SOCKET_IFNAME``, unless set). Runs over several machines keep torch's binding (docs/security.md says which
-ports). No library does this: Lightning's strategies pass no store or bind address to torch.
+ports). Lightning's strategies pass no store or bind address to torch, so the strategies create the group here.
 
 Under torchrun the store is its agent's (torch's; docs/security.md); a one-machine torchrun job still gets the
 loopback interface for gloo and NCCL.

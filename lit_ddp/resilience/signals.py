@@ -55,7 +55,8 @@ def clear() -> None:
 
 
 class _StallWatch:
-    """The thread behind :func:`watch_for_stalls` (one per process); no library offers this."""
+    """The thread behind :func:`watch_for_stalls` (one per process): Python runs a signal handler only when the main
+    thread returns to the interpreter, which a blocked collective never does."""
 
     def __init__(self) -> None:
         self.reader, self.writer = socket.socketpair()

@@ -8,7 +8,7 @@ its own, longer bound (torch's and Lightning's default, 30 minutes) and sets the
 rank has reached training (or evaluation), at a barrier. Checkpoint saves stay under the collective timeout:
 rank zero writes at disk speed (``make bench-save``), minutes only for checkpoints of hundreds of GB.
 
-No library separates the two (torch's ``init_process_group`` and Lightning's strategies take one timeout).
+torch's ``init_process_group`` and Lightning's strategies take one timeout for both.
 """
 
 from __future__ import annotations

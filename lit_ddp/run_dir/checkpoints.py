@@ -84,18 +84,18 @@ _headers: collections.OrderedDict[tuple[str, str], dict[str, Any]] = collections
 
 
 def checkpoint_header(path: str) -> dict[str, Any]:
-    """A checkpoint's dictionary without its tensors (they are ``None``), reading only its ``data.pkl``
-        record (a few KB), locally or through fsspec, and running no code from the file. For a sharded checkpoint's
-        directory, that of its ``meta.pt`` (all but the parameters and optimizer states).
+    """A checkpoint's dictionary without its tensors (they are ``None``), reading only its ``data.pkl`` record (a few
+    KB), locally or through fsspec, and running no code from the file. For a sharded checkpoint's directory, that of
+    its ``meta.pt`` (all but the parameters and optimizer states).
 
-        Each file is read once per process while it stays the same: a later call returns a copy of the first read
-        unless fsspec's ``ukey`` of the file (its size, times and inode locally, its ETag on an object store) has
-        changed, as an atomic replace (a new inode) or a rewrite changes it. (A rewrite in place that keeps the size and
-    ends within the same tick of the file system's clock as the previous write, a few ms, would not be seen: lit-ddp's
-    writes are atomic replaces.)
+    Each file is read once per process while it stays the same: a later call returns a copy of the first read unless
+    fsspec's ``ukey`` of the file (its size, times and inode locally, its ETag on an object store) has changed, as an
+    atomic replace (a new inode) or a rewrite changes it. A rewrite in place that keeps the size and ends within the
+    same tick of the file system's clock as the previous write, a few ms, would not be seen: lit-ddp's writes are
+    atomic replaces.
 
-        Raises:
-            ValueError: not a readable torch checkpoint.
+    Raises:
+        ValueError: not a readable torch checkpoint.
     """
     meta = sharded.meta_path(path)
     try:
