@@ -34,7 +34,9 @@ def test_a_second_launch_on_a_live_directory_is_refused(tmp_path: Path, runner: 
     assert second.returncode == 2, second.stdout[-3000:]
     [line] = [x for x in second.stdout.splitlines() if x.startswith("lit-ddp: error:")]
     assert f"the run directory {root} is in use by another live job (pid {first.pid} on " in line, line
-    assert took < 20, f"the second launch took {took:.1f} s to stop"
+    # Imports and the parse, then the lock: under 10 s on a quiet day; 60 s leaves 3x margin (the refusal itself, not
+    # its speed, is what the return code above shows).
+    assert took < 60, f"the second launch took {took:.1f} s to stop"
     assert sorted(p.name for p in root.glob("events.out.tfevents.*")) == events, "the second launch wrote a log"
     assert (root / "config.yaml").stat().st_mtime_ns == config_mtime, "the second launch rewrote config.yaml"
     assert first.poll() is None, "the first run must go on"
