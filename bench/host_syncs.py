@@ -20,9 +20,9 @@ every tensor an aten op computes from one are device tensors, and a sync is
 
 ``.to("cpu")`` of a device tensor is not seen (on a CPU it cannot be told from a move to the device), nor are
 tensors that factory functions create on the device without a marked input. :class:`StepSyncs` is the callback
-that marks the tensors and books each sync, and each aten op (about one CUDA kernel launch each, eager), to the
-training step it falls in: from one ``on_train_batch_start`` to the next, with validation apart. On a CUDA device it
-counts the real thing instead: ``torch.cuda.set_sync_debug_mode("warn")``'s warnings per step (bench/gpu_check.py).
+that marks the tensors and books each sync, and each aten op on a device tensor (about one CUDA kernel launch each,
+eager), to the training step it falls in: from one ``on_train_batch_start`` to the next, with validation apart. On a
+CUDA device it counts the real thing instead: ``torch.cuda.set_sync_debug_mode("warn")``'s warnings per step.
 
     python -m bench.host_syncs        # a tiny gpu.yaml fit on this CPU, the syncs and aten ops of each step
 """
@@ -73,8 +73,8 @@ TINY_GPU_JOB = [
 
 
 class HostSyncs(TorchDispatchMode):
-    """While active, counts what would synchronize the host with a GPU (see the module's docstring), and every
-    aten op, under the label :attr:`phase`.
+    """While active, counts what would synchronize the host with a GPU (see the module's docstring), and the aten
+    ops on device tensors (about one CUDA kernel launch each, eager), under the label :attr:`phase`.
 
     Args:
         device: the device the module trains on (``torch.tensor(data, device=device)`` is a copy to it).
@@ -115,9 +115,9 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        self.ops[self.phase] += 1
         inputs = tree_leaves((args, kwargs))
         on_device = any(self.on_device(t) for t in inputs)
+        self.ops[self.phase] += on_device  # the host's own ops (a loader's collate) launch no kernel
         if on_device and (name in SYNC_OPS or (name in MASK_INDEXING and _has_mask(args))):
             self.count(f"aten.{name}")
         out = func(*args, **kwargs)
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> StepSyncs:
     with tempfile.TemporaryDirectory() as root:
         job = gpu_job_args(args.max_steps, args.log_every_n_steps, args.val_check_interval)
         counted = count_fit([*job, *fit_args], root, args.from_step)
-    print("| step | logs | saves | validates | host syncs | aten ops |")
+    print("| step | logs | saves | validates | host syncs | aten ops on device tensors |")
     print("|---:|:-:|:-:|:-:|---:|---:|")
     for s in counted.steps.values():
         yes = {True: "yes", False: ""}
