@@ -268,3 +268,24 @@ class ForgetLoaderPosition(Callback):
             entry["train_loaders"] = []
             if not self.keep_promise:
                 entry.pop("positions", None)
+
+
+class StepTrace(Callback):
+    """Appends ``<unix time> <pid> <global_step>`` to ``<directory>/<$REPLICA_GROUP_ID>.txt`` after every training
+    batch (a torchft replica group's steps, across its restarts), after sleeping ``sleep[group]`` seconds before it
+    (steps slow enough to kill a group mid-training; a slower group makes the other wait in the all-reduce)."""
+
+    def __init__(self, directory: str, sleep: dict[str, float] | None = None) -> None:
+        self.group = os.environ.get("REPLICA_GROUP_ID", "group_0")
+        self.path = Path(directory, f"{self.group}.txt")
+        self.sleep = (sleep or {}).get(self.group, 0.0)
+        os.makedirs(directory, exist_ok=True)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
+        time.sleep(self.sleep)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: object, batch: object, batch_idx: int
+    ) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{time.time():.3f} {os.getpid()} {trainer.global_step}\n")

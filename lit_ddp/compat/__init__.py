@@ -9,6 +9,8 @@
 - ``signals.py``: Lightning's signal handling;
 - ``torch.py``: torch's own (torchdata's loader state, the c10d store and timeout, distributed checkpoint metadata,
   DTensor's strided shards);
+- ``torchft.py``: torchft's DDP wrapper (its communication hook, which crashes when a peer group dies mid
+  all-reduce);
 - ``muon.py``: torch's Muon stepped in batches (:class:`~lit_ddp.compat.muon.BatchedMuon`), where torch has no
   batched step yet;
 - ``imports.py``: the installed versions and the one way a private name is imported.
@@ -50,9 +52,11 @@ from lit_ddp.compat.loops import (
     LIGHTNING_RECOUNTS_EPOCH_END,
     batches_that_stepped,
     fix_last_batch_restart,
+    optimizer_steps,
     restore_loop_position,
     restore_train_loaders,
     set_batches_that_stepped,
+    set_optimizer_steps,
     should_accumulate,
     show_resumed_epoch,
     train_loader_states,
@@ -92,6 +96,11 @@ from lit_ddp.compat.torch import (
     strided_shard,
     worker_seed,
 )
+from lit_ddp.compat.torchft import (
+    comm_hook,
+    fault_tolerant_ddp,
+    stock_hook_survives_failed_allreduce,
+)
 
 __all__ = [
     "BatchedMuon",
@@ -104,6 +113,7 @@ __all__ = [
     "checkpoint_state_key",
     "DDPOnTheTrainingStream",
     "collect_rng_states",
+    "comm_hook",
     "compute_dtype",
     "dcp_full_state_planner",
     "dcp_private_metadata_classes",
@@ -112,6 +122,7 @@ __all__ = [
     "default_hp_metric",
     "disable_sigterm_broadcast",
     "exit_now",
+    "fault_tolerant_ddp",
     "flatten_hparams",
     "hpc_save_path",
     "install_resume_resolver",
@@ -119,6 +130,7 @@ __all__ = [
     "is_strided_shard",
     "last_saved_step",
     "log_metrics",
+    "optimizer_steps",
     "process_group_backend",
     "rekey_optimizer_states_by_groups",
     "pending_train_step_log",
@@ -127,12 +139,14 @@ __all__ = [
     "save_last_checkpoint",
     "set_batches_that_stepped",
     "set_model_parallel_sizes",
+    "set_optimizer_steps",
     "set_process_group_timeout",
     "set_rng_states",
     "set_strategy_timeout",
     "should_accumulate",
     "should_update_logs",
     "show_resumed_epoch",
+    "stock_hook_survives_failed_allreduce",
     "fix_last_batch_restart",
     "strategy_timeout",
     "tensorboard_hparams",

@@ -43,6 +43,23 @@ def set_batches_that_stepped(trainer: Trainer, value: int) -> None:
     trainer.fit_loop.epoch_loop._batches_that_stepped = value
 
 
+def optimizer_steps(trainer: Trainer) -> int:
+    """Lightning's count of optimizer steps under automatic optimization (``trainer.global_step``): its progress
+    tracker's ``optimizer.step.total.completed``."""
+    return int(trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed)
+
+
+def set_optimizer_steps(trainer: Trainer, value: int) -> None:
+    """Sets ``trainer.global_step`` (automatic optimization) to ``value``, keeping the tracker's ready count as far
+    ahead of its completed count as it is: inside an optimizer step (ready counted, completed not yet), Lightning
+    then completes the step at ``value + 1``."""
+    step = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    delta = value - int(step.total.completed)
+    for tracker in (step.total, step.current):
+        tracker.ready += delta
+        tracker.completed += delta
+
+
 def undo_epoch_end_recount(trainer: Trainer) -> None:
     """Takes back the second count of an epoch when Lightning restarts from a checkpoint written in
     ``on_train_epoch_end`` of a run bounded by ``max_steps``.

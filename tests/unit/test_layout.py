@@ -31,7 +31,7 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-COMPAT_CONCERNS = {"loops", "checkpoints", "strategies", "logging", "signals", "torch", "muon", "imports"}
+COMPAT_CONCERNS = {"loops", "checkpoints", "strategies", "logging", "signals", "torch", "muon", "imports", "torchft"}
 
 
 def test_compat_is_one_module_per_thing_it_patches() -> None:

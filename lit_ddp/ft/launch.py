@@ -1,0 +1,123 @@
+"""``python -m lit_ddp.ft.launch``: torchft's lighthouse and R replica groups on one machine.
+
+    python -m lit_ddp.ft.launch --replica_groups 2 --root runs/regression/torchft -- \\
+        fit --config configs/trainer/torchft.yaml --config configs/regression/single_device.yaml
+
+starts the lighthouse (bound to loopback unless ``--bind`` says otherwise), prints its address, then starts each
+group as a ``lit-ddp`` process of its own (``$TORCHFT_LIGHTHOUSE``, ``$REPLICA_GROUP_ID=group_<i>``, run directory
+``<root>/group_<i>``), printing its process id at every start. A group whose process fails is started again (at
+most ``--max_restarts`` times each) and rejoins the quorum from a live peer; the others go on meanwhile. Ends when
+every group has ended: status 0 when all finished, else the first failure's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lit_ddp.ft.strategy import LIGHTHOUSE_ENV, REPLICA_ENV, require_torchft
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    argv = sys.argv[1:] if argv is None else argv
+    own, command = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="python -m lit_ddp.ft.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replica_groups", type=int, default=2, help="R: how many replica groups (processes)")
+    parser.add_argument("--root", default="runs/torchft", help="each group's run directory is ROOT/group_<i>")
+    parser.add_argument(
+        "--bind",
+        default="127.0.0.1:0",
+        help="the lighthouse's listening address (port 0: a free one); loopback "
+        "by default: a one-machine run needs nothing else (docs/security.md)",
+    )
+    parser.add_argument("--min_replicas", type=int, default=1, help="the fewest groups a quorum forms with")
+    parser.add_argument(
+        "--join_timeout_ms",
+        type=int,
+        default=2000,
+        help="how long a quorum waits for a group that heartbeats but "
+        "has not asked to join (a restarted one starting up): what a restart can cost the others, once",
+    )
+    parser.add_argument(
+        "--heartbeat_timeout_ms",
+        type=int,
+        default=5000,
+        help="a group silent this long is out of the quorum: about what a dead group costs the others",
+    )
+    parser.add_argument("--max_restarts", type=int, default=3, help="restarts of each group's process")
+    args = parser.parse_args(own)
+    if args.replica_groups < 1 or not command:
+        parser.error("give --replica_groups >= 1 and, after --, the lit-ddp command (fit --config ...)")
+    return args, command
+
+
+def lighthouse_address(server_address: str, bind: str) -> str:
+    """The address groups reach the lighthouse at: loopback's where it is bound there (torchft reports the host
+    name, which may resolve to another interface)."""
+    port = server_address.rsplit(":", 1)[1].strip("/")
+    host = bind.rsplit(":", 1)[0]
+    return f"http://{host}:{port}" if host.startswith("127.") or host in ("localhost", "[::1]") else server_address
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, command = parse_args(argv)
+    require_torchft()
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(
+        bind=args.bind,
+        min_replicas=args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
+    address = lighthouse_address(server.address(), args.bind)
+    print(f"lit_ddp.ft.launch: lighthouse {address} (bind {args.bind})", flush=True)
+
+    def start(group: int) -> subprocess.Popen:
+        env = dict(os.environ, **{LIGHTHOUSE_ENV: address, REPLICA_ENV: f"group_{group}"})
+        run_dir = Path(args.root, f"group_{group}")
+        cmd = [sys.executable, "-m", "lit_ddp", *command, "--trainer.default_root_dir", str(run_dir)]
+        proc = subprocess.Popen(cmd, env=env)
+        print(f"lit_ddp.ft.launch: group_{group} pid {proc.pid} run directory {run_dir}", flush=True)
+        return proc
+
+    procs = {g: start(g) for g in range(args.replica_groups)}
+    restarts = dict.fromkeys(procs, 0)
+    status = 0
+
+    def stop(signum: int, _frame: object) -> None:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        while procs:
+            for group, proc in list(procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del procs[group]
+                if code == 0:
+                    print(f"lit_ddp.ft.launch: group_{group} finished", flush=True)
+                elif restarts[group] < args.max_restarts:
+                    restarts[group] += 1
+                    print(f"lit_ddp.ft.launch: group_{group} exited with {code}: restart {restarts[group]}", flush=True)
+                    procs[group] = start(group)
+                else:
+                    print(f"lit_ddp.ft.launch: group_{group} exited with {code}, no restarts left", flush=True)
+                    status = status or code
+            time.sleep(0.1)
+    finally:
+        server.shutdown()
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

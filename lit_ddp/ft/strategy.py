@@ -1,0 +1,169 @@
+"""The Lightning strategy of one torchft replica group: :class:`TorchFTStrategy` (``configs/trainer/torchft.yaml``).
+
+At each optimizer step it (1) asks torchft's manager for the step's quorum, healing from a live peer where the
+quorum says so (:class:`lit_ddp.ft.heal.PeerState`, before the forward); (2) runs Lightning's closure (forward,
+``zero_grad``, backward), whose backward averages the gradients across the quorum's groups in torchft's DDP hook
+(:func:`lit_ddp.compat.fault_tolerant_ddp`); (3) steps the optimizer only where ``should_commit()`` says the whole
+quorum's all-reduce succeeded. A discarded step is not counted: ``trainer.global_step`` and the logger's step stay
+where they were, so that ``global_step`` is torchft's committed step count. Lightning's automatic optimization
+passes the closure; torchft's ``OptimizerWrapper`` takes none: the strategy runs the closure itself and hands the
+optimizer a closure that returns its loss.
+
+The timeouts (docs/fault_tolerance.md, "Per-step recovery with torchft"): a lost group costs the survivors about one
+heartbeat timeout of the lighthouse (``python -m lit_ddp.ft.launch --heartbeat_timeout_ms``), a frozen one at most
+``timeout`` (the cross-group collectives, ``should_commit`` and the checkpoint transfer).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch.optim import Optimizer
+
+from lit_ddp import compat
+from lit_ddp.errors import UsageError
+from lit_ddp.ft.heal import PeerState
+from lit_ddp.launch import loopback
+
+EXTRA = 'torchft is not installed: pip install -e ".[torchft]" (the torchft extra)'
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_ENV = "REPLICA_GROUP_ID"
+
+
+def require_torchft() -> None:
+    """Raises UsageError, in one line naming the extra, where torchft is not installed."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise UsageError(f"configs/trainer/torchft.yaml: {EXTRA}") from None
+
+
+class TorchFTStrategy(SingleDeviceStrategy):
+    """One torchft replica group of one process: the model on one device, its gradients averaged with the other
+    groups' through torchft's ``Manager`` (gloo), a step committed only where the quorum says so.
+
+    Args:
+        lighthouse: the lighthouse's address (``http://127.0.0.1:29510``); None: ``$TORCHFT_LIGHTHOUSE``, as
+            ``python -m lit_ddp.ft.launch`` sets it.
+        replica_id: this group's name in the quorum; None: ``$REPLICA_GROUP_ID``, else ``group_0``.
+        min_replicas: the fewest groups a step commits with.
+        timeout: the cross-group all-reduce's, ``should_commit``'s and the live-state transfer's: what a frozen
+            (not dead) peer can cost the others.
+        quorum_timeout: how long a step waits for its quorum (more than a step takes, and more than the
+            lighthouse's join timeout).
+        connect_timeout: to reach the lighthouse and a peer's manager.
+        device: where the model trains (``cpu``, ``cuda:0``).
+
+    Raises:
+        UsageError: torchft is not installed.
+        ValueError: at set-up, more than one process per group, manual optimization, or gradient accumulation
+            (not in this first slice).
+    """
+
+    def __init__(
+        self,
+        lighthouse: str | None = None,
+        replica_id: str | None = None,
+        min_replicas: int = 1,
+        timeout: timedelta = timedelta(seconds=30),
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=10),
+        device: str = "cpu",
+    ) -> None:
+        require_torchft()
+        super().__init__(device=device)
+        self.lighthouse = lighthouse
+        self.replica_id = replica_id
+        self.min_replicas = min_replicas
+        self.timeout, self.quorum_timeout, self.connect_timeout = timeout, quorum_timeout, connect_timeout
+        self.manager: Any = None
+        self.discarded_steps = 0
+        self._store: Any = None
+
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if trainer.num_devices != 1 or trainer.num_nodes != 1:
+            raise ValueError("TorchFTStrategy: one process per replica group (trainer.devices 1, num_nodes 1)")
+        if trainer.training:
+            module = trainer.lightning_module
+            if not module.automatic_optimization or trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    "TorchFTStrategy: automatic optimization without gradient accumulation only "
+                    "(accumulate_grad_batches 1)"
+                )
+            self.manager = self._manager(trainer)
+            assert self.model is not None
+            self.model = compat.fault_tolerant_ddp(self.manager, self.model)
+
+    def _manager(self, trainer: Trainer) -> Any:
+        """torchft's manager of this group: its own store on loopback, gloo across the groups, the peer state
+        registered for healing, the quorum started by :meth:`optimizer_step` (not asynchronously: a heal lands
+        before the forward)."""
+        from torchft import Manager, ProcessGroupGloo
+
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ValueError(
+                f"TorchFTStrategy: no lighthouse: give strategy.init_args.lighthouse or ${LIGHTHOUSE_ENV} "
+                "(python -m lit_ddp.ft.launch sets it)"
+            )
+        replica_id = self.replica_id or os.environ.get(REPLICA_ENV) or "group_0"
+        if loopback.is_loopback(lighthouse.split("://")[-1].rsplit(":", 1)[0]):
+            loopback.use_loopback_interface()  # gloo's connections between the groups on loopback
+        self._store = loopback.store(0, None, True, wait_for_workers=False)
+        peer_state = PeerState(trainer)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=self.timeout),
+            load_state_dict=peer_state.load_state_dict,
+            state_dict=peer_state.state_dict,
+            min_replica_size=self.min_replicas,
+            use_async_quorum=False,
+            timeout=self.timeout,
+            quorum_timeout=self.quorum_timeout,
+            connect_timeout=self.connect_timeout,
+            rank=0,
+            world_size=1,
+            store_addr=loopback.LOOPBACK,
+            store_port=self._store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=replica_id,
+        )
+        rank_zero_info(f"torchft: replica group {replica_id!r}, lighthouse {lighthouse}")
+        return manager
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The quorum (and a heal), Lightning's closure, then the optimizer's step where the quorum commits; a
+        discarded step is uncounted."""
+        if self.manager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.manager.start_quorum()  # heals here, where the quorum says so (PeerState.load_state_dict)
+        loss = closure()
+        if not self.manager.should_commit():
+            self.discarded_steps += 1
+            assert self.lightning_module is not None
+            trainer = self.lightning_module.trainer
+            # Lightning completes the step (and counts a batch that stepped) after this returns: count one less.
+            compat.set_optimizer_steps(trainer, compat.optimizer_steps(trainer) - 1)
+            compat.set_batches_that_stepped(trainer, compat.batches_that_stepped(trainer) - 1)
+            rank_zero_info(f"torchft: step {trainer.global_step + 1} discarded by the quorum")
+            return loss
+        return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+
+    def teardown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+        super().teardown()
