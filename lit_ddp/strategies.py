@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -58,7 +60,8 @@ class DDPStrategy(compat.DDPOnTheTrainingStream):
     torch (:func:`ddp_buffer_kwargs`), so that one YAML (``configs/trainer/ddp.yaml``) runs without a warning or a
     rejected option from torch 2.9 to 2.15, and DDP built on the stream that trains
     (:class:`lit_ddp.compat.DDPOnTheTrainingStream`). A run on one machine listens on loopback only
-    (:mod:`lit_ddp.launch.loopback`).
+    (:mod:`lit_ddp.launch.loopback`); a run of one process (:attr:`one_process`) creates no process group and trains
+    the module unwrapped, so the same config trains one GPU without DDP's costs and several with DDP.
 
     Args:
         sync_buffers: True: DDP broadcasts every buffer from rank zero before each forward, a blocking collective per
@@ -81,9 +84,27 @@ class DDPStrategy(compat.DDPOnTheTrainingStream):
                 )
         super().__init__(**kwargs, **ddp_buffer_kwargs(sync_buffers))
 
+    @property
+    def one_process(self) -> bool:
+        """Whether the job is one process (one device, one node): then it runs as Lightning's ``SingleDeviceStrategy``
+        would, without a process group or DDP's wrapper (whose reducer would copy every gradient into buckets and
+        all-reduce them over one rank at every step); ranks, seeding, checkpoints and hooks are DDP's."""
+        return self.num_nodes * self.num_processes == 1
+
     def setup_environment(self) -> None:
+        if self.one_process:  # DDP's set-up but its process group (Lightning's setup_distributed)
+            reset_seed()  # as setup_distributed: the model is built from the same random state as under DDP
+            self.set_world_ranks()
+            super(LightningDDPStrategy, self).setup_environment()  # the device's set-up
+            return
         loopback.init_process_group(self)  # a one-machine run listens on loopback only
         super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        if self.one_process:  # the strategy's plain set-up: the model on its device, unwrapped (compat's DDP builder)
+            super(LightningDDPStrategy, self).setup(trainer)
+        else:
+            super().setup(trainer)
 
 
 def forward_is_collective(module: nn.Module) -> bool:

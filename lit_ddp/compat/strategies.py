@@ -58,11 +58,16 @@ class DDPOnTheTrainingStream(DDPStrategy):
     incoming gradient", asking for DDP to be built "under the same stream as subsequent forwards"), and each
     backward may wait on the side stream. Lightning-AI/pytorch-lightning#21567, fixed by #21746 (after 2.6.6).
     On CPU (``device_ids`` None) Lightning opens no stream, and this builds what it builds.
+
+    A job of one process (one device, one node) gets no wrapper: the module as it is, as Lightning's
+    ``SingleDeviceStrategy`` trains it (:class:`lit_ddp.strategies.DDPStrategy` creates no process group then).
     """
 
     def _setup_model(self, model: Any) -> Any:
         from torch.nn.parallel import DistributedDataParallel
 
+        if self.num_nodes * self.num_processes == 1:
+            return model
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
 
