@@ -11,7 +11,8 @@ come in order of value, so that a run cut short still gives the most. ``speed``:
 
 - ``main``: the GPU main job (``ddp.yaml`` + ``$BENCH_GPU_MAIN_CONFIG``, default ``configs/mingpt/gpu.yaml``) from a
   fresh run directory: seconds from launch to its first step and to val/loss 1.70 / 1.55 / 1.50 / 1.4697 (nanoGPT's
-  README figure for this data), best val/loss, tokens/s and MFU;
+  README figure for this data), best val/loss, tokens/s and MFU, host syncs per step that neither logs, saves nor
+  validates and kernel launches per step (:mod:`bench.host_syncs`);
 - ``reference``: :mod:`bench.nanogpt_reference` ``--recipe gpu`` stopped at 1.4697: the same marks, ms/iter, tokens/s,
   MFU, whether it reproduces nanoGPT's H100 figures (14.5 ms/iter, about 80 s to 1.4697) within 10 %; then the ratio
   of the main job's time to 1.4697 over the reference's (target: at most 0.5);
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import host_syncs
 from bench.harness import launch
 from bench.harness.clock import read_clock
 from bench.harness.launch import REPO, status_of
@@ -236,16 +238,20 @@ def versions() -> str:
 def part_main(ctx: Context, box: float) -> Row:
     if not (REPO / ctx.main_config).is_file():
         return Row("main", "missing config", f"{ctx.main_config} does not exist")
-    cmd, clock = ctx.fit("main", DDP, ctx.main_config, args=DRY_MAIN + DRY_MAIN_STEPS if ctx.dry else [])
+    syncs = ctx.work / "main.syncs.json"  # host syncs per step, kernel launches: bench/host_syncs.py (issue 52)
+    syncs.unlink(missing_ok=True)
+    args = [*(DRY_MAIN + DRY_MAIN_STEPS if ctx.dry else []), *host_syncs.callback_args(syncs)]
+    cmd, clock = ctx.fit("main", DDP, ctx.main_config, args=args)
     launched = time.time()
     rc = ctx.run("main", cmd, box)
     f = fit_figures(clock, launched)
+    f["host_syncs"] = json.loads(syncs.read_text()) if syncs.is_file() else {}
     marks = seconds_to_marks([(t - launched, loss) for t, _, loss in f["events"]["val"]])
     best = min(f["events"]["val"], key=lambda e: e[2]) if f["events"]["val"] else None
     figures = (
         f"{ctx.main_config}: launch to step 1 {fmt(f['first_step_s'])} s; {marks_text(marks)}; best val/loss "
         f"{fmt(best and best[2], '.4f')} (step {fmt(best and best[1], '.0f')}); {fmt(f['tokens_per_s'], ',.0f')} "
-        f"tokens/s; MFU {fmt(f['mfu'], '.3f')}; {f['steps']} steps"
+        f"tokens/s; MFU {fmt(f['mfu'], '.3f')}; {f['steps']} steps; {host_syncs.summary_text(f['host_syncs'])}"
     )
     status = status_of(rc)
     if status == "ok" and marks[MARKS[-1]] is None:

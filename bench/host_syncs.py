@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 import tempfile
 import traceback
@@ -62,6 +63,7 @@ SYNC_OPS = frozenset({
 })  # fmt: skip
 MASK_INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
+LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})  # profiler's
 
 # The tiny gpu.yaml fit: gpu.yaml's settings on this CPU, at a size that takes seconds.
 TINY_GPU_JOB = [
@@ -228,18 +230,29 @@ class StepSyncs(Callback):
     :attr:`validation`. A step runs from its ``on_train_batch_start`` to the next one's (the batch fetched and moved
     before it belongs to the step before), validation from its start to the next step's.
 
+    On CUDA it also counts the kernel launches of ``launch_steps`` steps near the end (the last ones but one,
+    under ``torch.profiler``: its start-up then delays no step before), compiled kernels included, which no aten op
+    count sees. With ``out``, rank zero writes :meth:`summary` there as JSON at the end (``bench/gpu_check.py``).
+
     Args:
         from_step: the first global step counted (a later one leaves out the first steps' compiling).
+        out: a JSON file for :meth:`summary`.
+        launch_steps: steps whose kernel launches are counted, on CUDA (0: none).
     """
 
-    def __init__(self, from_step: int = 1) -> None:
+    def __init__(self, from_step: int = 1, out: str | None = None, launch_steps: int = 0) -> None:
         self.from_step = from_step
+        self.out = out
+        self.launch_steps = launch_steps
         self.steps: dict[int, Step] = {}
         self.validation: dict[int, int] = {}  # global step -> syncs of the validation after it
+        self.launches: dict[str, Any] = {}  # {"steps": [...], "per_step": kernel launches per step}
         self.counter: HostSyncs | None = None
         self._cuda_warnings: Any = None
         self._caught: list[Any] = []
         self._open: Any = None  # the phase being counted: a Step or ("validation", step)
+        self._profile: Any = None  # (torch.profiler.profile, its first step)
+        self.counted_by = ""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -250,18 +263,46 @@ class StepSyncs(Callback):
             self._caught = self._cuda_warnings.__enter__()
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
+            self.counted_by = "torch.cuda.set_sync_debug_mode('warn') on " + torch.cuda.get_device_name(device)
         else:
             self.counter = HostSyncs(device)
             self.counter.__enter__()
+            self.counted_by = f"bench.host_syncs.HostSyncs on {device.type}"
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._close()
+        self._stop_profile(trainer.global_step + 1)
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
+            self.counter = None
         if self._cuda_warnings is not None:
             torch.cuda.set_sync_debug_mode("default")
             self._cuda_warnings.__exit__(None, None, None)
             self._cuda_warnings = None
+        if self.out is not None and stage == "fit" and trainer.is_global_zero:
+            Path(self.out).write_text(json.dumps(self.summary(), indent=1))
+
+    def summary(self) -> dict[str, Any]:
+        """The counts in numbers: host syncs of each quiet step (neither logs, saves nor validates) and of each
+        other step, with the code of each (its first 20 of each kind on a CPU), aten ops on device tensors per quiet
+        step (CPU), kernel launches per step (CUDA), what counted them."""
+        quiet = self.quiet_steps()
+        others = [s for s in self.steps.values() if not s.quiet]
+        where = collections.Counter(w for s in self.steps.values() for w in s.where)
+        return {
+            "counted_by": self.counted_by,
+            # Every logging step syncs (the throughput clock, the logged values): one that shows none means the
+            # counting stopped (on CUDA: another warnings.catch_warnings took the warnings over).
+            "counting_alive": all(s.syncs > 0 for s in others if s.logs),
+            "quiet_steps": len(quiet),
+            "quiet_step_syncs": [s.syncs for s in quiet],
+            "quiet_syncs_max": max((s.syncs for s in quiet), default=None),
+            "other_step_syncs": {s.step: s.syncs for s in others},
+            "validation_syncs": self.validation,
+            "quiet_step_ops": statistics.median(s.ops for s in quiet) if quiet else None,
+            "launches": self.launches,
+            "where": dict(where.most_common(20)),
+        }
 
     def _close(self) -> None:
         """Books what the open phase counted."""
@@ -273,7 +314,7 @@ class StepSyncs(Callback):
             where = self.counter.where.pop(phase, [])
             self.counter.phase = None
         else:
-            where = [str(w.message) for w in self._caught if SYNC_WARNING in str(w.message)]
+            where = [f"{w.filename}:{w.lineno}" for w in self._caught if SYNC_WARNING in str(w.message)]
             syncs, ops = len(where), 0
             self._caught.clear()
         if isinstance(phase, Step):
@@ -289,8 +330,31 @@ class StepSyncs(Callback):
         else:
             self._caught.clear()
 
+    def _start_profile(self, trainer: Trainer, step: int) -> None:
+        """Starts counting kernel launches at ``step`` when it is the first of the last ``launch_steps`` but one."""
+        last = trainer.max_steps - 1
+        if not (self._cuda_warnings is not None and self.launch_steps > 0 and step == last - self.launch_steps):
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        profile = torch.profiler.profile(activities=activities)
+        profile.__enter__()
+        self._profile = (profile, step)
+
+    def _stop_profile(self, step: int) -> None:
+        """Stops counting at the start of ``step``: the launches per step of the steps counted."""
+        if self._profile is None:
+            return
+        (profile, first), self._profile = self._profile, None
+        profile.__exit__(None, None, None)
+        launches = sum(e.name in LAUNCHES for e in profile.events())
+        steps = list(range(first, step))
+        self.launches = {"steps": steps, "per_step": launches / max(len(steps), 1)}
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step + 1
+        if self._profile is not None and step >= self._profile[1] + self.launch_steps:
+            self._stop_profile(step)
+        self._start_profile(trainer, step)
         if step < self.from_step:
             self._start(None)
             return
@@ -320,6 +384,32 @@ class StepSyncs(Callback):
     def quiet_steps(self) -> list[Step]:
         """The steps that neither log, save nor validate."""
         return [s for s in self.steps.values() if s.quiet]
+
+
+def callback_args(out: Path, from_step: int = 3, launch_steps: int = 2) -> list[str]:
+    """The ``lit-ddp fit`` argument adding :class:`StepSyncs` that writes its :meth:`~StepSyncs.summary` to ``out``
+    (after gpu.yaml's callbacks)."""
+    init = {"from_step": from_step, "out": str(out), "launch_steps": launch_steps}
+    return ["--trainer.callbacks+=" + json.dumps({"class_path": "bench.host_syncs.StepSyncs", "init_args": init})]
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """A :meth:`StepSyncs.summary` in a table's words."""
+    if not summary:
+        return "host syncs: not counted"
+    quiet = summary["quiet_step_syncs"]
+    text = f"host syncs per quiet step: {summary['quiet_syncs_max']} at most over {len(quiet)} steps"
+    others = summary["other_step_syncs"]
+    text += f" (steps that log/save/validate: {min(others.values(), default=0)} to {max(others.values(), default=0)})"
+    if not summary["counting_alive"]:
+        text += " [counting stopped: a logging step showed none]"
+    if summary.get("launches"):
+        text += (
+            f"; kernel launches per step {summary['launches']['per_step']:.0f} (steps {summary['launches']['steps']})"
+        )
+    elif summary.get("quiet_step_ops"):
+        text += f"; aten ops on device tensors per quiet step {summary['quiet_step_ops']:.0f}"
+    return text
 
 
 @contextmanager
