@@ -232,7 +232,8 @@ class StepSyncs(Callback):
 
     On CUDA it also counts the kernel launches of ``launch_steps`` steps near the end (the last ones but one,
     under ``torch.profiler``: its start-up then delays no step before), compiled kernels included, which no aten op
-    count sees. With ``out``, rank zero writes :meth:`summary` there as JSON at the end (``bench/gpu_check.py``).
+    count sees. With ``out``, rank zero writes :meth:`summary` there as JSON at each validation and at the end
+    (``bench/gpu_check.py``).
 
     Args:
         from_step: the first global step counted (a later one leaves out the first steps' compiling).
@@ -279,7 +280,11 @@ class StepSyncs(Callback):
             torch.cuda.set_sync_debug_mode("default")
             self._cuda_warnings.__exit__(None, None, None)
             self._cuda_warnings = None
-        if self.out is not None and stage == "fit" and trainer.is_global_zero:
+        if stage == "fit":
+            self._write(trainer)
+
+    def _write(self, trainer: Trainer) -> None:
+        if self.out is not None and trainer.is_global_zero:
             Path(self.out).write_text(json.dumps(self.summary(), indent=1))
 
     def summary(self) -> dict[str, Any]:
@@ -377,6 +382,7 @@ class StepSyncs(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self._start(("validation", trainer.global_step))
+            self._write(trainer)  # what a run cut short by its time box had counted
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start(None)
