@@ -9,13 +9,13 @@ Unlike the tutorial: the attention is causal; gradients are clipped after AMP un
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from lit_ddp.models.gpt import GPT, GPTConfig
+from lit_ddp.models.gpt import GPT, Block, GPTConfig
 from lit_ddp.recipe import OPTIMIZERS, build_optimizer, check_schedule, warmup_cosine_schedule
 
 
@@ -49,8 +49,9 @@ class GPTModule(LightningModule):
         muon_learning_rate: Muon's peak learning rate.
         muon_momentum: Muon's (Nesterov) momentum.
         muon_weight_decay: Muon's decoupled weight decay.
-        compile: run the training forward through ``torch.compile`` (the first steps pay tens of seconds of
-            compiling); validation (another graph per batch shape), sampling and checkpoints use the plain module.
+        compile: ``True`` / ``"model"``: the training forward through ``torch.compile`` (tens of seconds of compiling
+            at the first step); ``"blocks"``: each ``Block`` compiled in place (regional compilation: one graph that
+            every block reuses); False: eager. Validation and sampling run eagerly (no graph per batch shape).
 
     Raises:
         ValueError: an unknown preset or optimizer, or an invalid size, rate or schedule.
@@ -78,7 +79,7 @@ class GPTModule(LightningModule):
         muon_learning_rate: float = 0.02,
         muon_momentum: float = 0.95,
         muon_weight_decay: float = 0.0,
-        compile: bool = False,
+        compile: bool | Literal["model", "blocks"] = False,
     ) -> None:
         super().__init__()
         for name, value in (("learning_rate", learning_rate), ("muon_learning_rate", muon_learning_rate)):
@@ -126,7 +127,10 @@ class GPTModule(LightningModule):
             raise RuntimeError("configure_model() before the vocabulary is known (setup() sets it)")
         self.gpt_config = self._make_config(vocab_size=len(self.vocab))
         self.model = GPT(self.gpt_config)
-        if self.hp.compile:
+        if self.hp.compile == "blocks":
+            for block in [m for m in self.model.modules() if isinstance(m, Block)]:
+                block.compile()
+        elif self.hp.compile:
             self._forward = torch.compile(self.model.forward)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -141,7 +145,10 @@ class GPTModule(LightningModule):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """``idx (B, T) -> (logits (B, T, V), loss | None)``: :meth:`GPT.forward`."""
         assert self.model is not None, "configure_model() first"
-        return (self._forward if self._forward and self.training else self.model)(idx, targets)
+        if self.training:
+            return (self._forward or self.model)(idx, targets)
+        with torch.compiler.set_stance("force_eager"):  # blocks compiled in place run eagerly too
+            return self.model(idx, targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T) each: this rank's shard of the global batch
