@@ -18,8 +18,8 @@ from tests.helpers import REPO, Runner, noise_lines
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_main_job_makes_no_noise(tmp_path: Path, runner: Runner) -> None:
-    """40 steps of configs/mingpt/gpu.yaml as configured (compiled, bf16 autocast, DDP over every GPU), validating at
-    steps 20 and 40: it trains on the GPU, and its output holds no noise line (the model summary is on)."""
+    """40 steps of configs/mingpt/gpu.yaml as configured (bf16 autocast, DDP over every GPU, its compile choice),
+    validating at steps 20 and 40: it trains on the GPU, and its output holds no noise line (the model summary is on)."""
     assert default_configs() == GPU_CONFIGS  # what `make train` composes here
     configs = [a for c in GPU_CONFIGS for a in ("--config", str(REPO / c))]
     short = ["--trainer.max_steps", "40", "--trainer.val_check_interval", "20",

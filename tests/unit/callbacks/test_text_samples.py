@@ -118,3 +118,16 @@ def test_validation_samples_are_logged_on_rank_zero(tmp_path: Path) -> None:
     callback.on_validation_end(trainer, tiny_module())
     assert callback.last_sample is not None and callback.last_sample.startswith("ROMEO:")
     assert len(callback.last_sample) == 18
+
+
+def test_validation_samples_every_n_validations(tmp_path: Path) -> None:
+    callback = TextSampleCallback(prompt="ROMEO:", max_new_tokens=4, every_n_validations=3)
+    trainer, module = cpu_trainer(default_root_dir=str(tmp_path)), tiny_module()
+    drawn = []
+    for _ in range(7):
+        callback.last_sample = None
+        callback.on_validation_end(trainer, module)
+        drawn.append(callback.last_sample is not None)
+    assert drawn == [True, False, False, True, False, False, True]
+    with pytest.raises(ValueError, match="every_n_validations"):
+        TextSampleCallback(every_n_validations=0)

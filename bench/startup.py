@@ -1,0 +1,290 @@
+"""Where the seconds from launch to the GPU main job's first optimizer step go, part by part, for each ``compile``
+choice, on a CPU (issue 52): ``lit-ddp fit`` of the DDP fragment and ``configs/mingpt/gpu.yaml`` (its model, 6 x 6 x
+384, bf16 autocast; one process, batch 4 x 256 so that a CPU steps in seconds), each choice in a process of its own
+with a cold Inductor cache.
+
+The parts: ``imports`` (from the process's start, the interpreter and ``import lit_ddp.cli``: torch, Lightning),
+``config and CLI`` (parsing, the classes, the run directory, up to the strategy's set-up), ``process group``
+(``setup_environment``), ``data`` (``prepare_data`` and ``setup``: reading and encoding the text), ``model build``
+(``configure_model``), ``strategy set-up`` (the model to its device, the optimizers), ``sanity check`` (Lightning's
+validation of 2 batches before training), ``other`` (the rest before the first batch: hooks, loggers, loaders), ``first
+step`` (the first batch's step, which compiles), of which ``compile`` is its excess over a later step. Then the pace:
+a step of each choice, the choices stepped by turns in one process (a shared CPU's load then falls on all alike), and
+the estimate of the seconds from launch to val/loss 1.4697: launch to the first step plus ``--steps_to_target`` steps
+(about 800 on the H200, 2026-11-27: 1.4752 at step 750, 1.4475 at 1,000) at that pace. Last, validation: an eager
+batch's seconds, a validation of gpu.yaml's 7 batches in steps (batch sizes scaled alike), its text sample, and the
+validation interval that costs least to see 1.4697 crossed.
+
+    python -m bench.startup                          # none, blocks, model: a few minutes on this CPU
+    python -m bench.startup --compile blocks --json out.json
+
+On a GPU (``--accelerator gpu --batch_size 64``; not run on one yet) the same parts give the GPU's figures, which
+decide; this CPU's decide gpu.yaml's choice until one exists. The CPU's seconds are rough where the CPU is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.launch import REPO, bench_env, process_started_at
+from bench.harness.measure import fmt, markdown_table
+
+CHOICES: dict[str, bool | str] = {"none": False, "blocks": "blocks", "model": True}  # --compile: GPTModule's
+STEPS_TO_TARGET = 800  # the H200's main job: 1.4752 at step 750, 1.4475 at 1,000 (linear between: ~800)
+VALIDATION_BATCHES = 7  # gpu.yaml's validation split: 390 windows of 256, 7 batches of 64
+PARTS = ("imports", "config and CLI", "process group", "data", "model build", "strategy set-up", "sanity check",
+         "other", "first step")  # fmt: skip
+TIMED = {  # part: (module, class, method) whose calls it sums
+    "process group": ("lit_ddp.strategies", "DDPStrategy", "setup_environment"),
+    "strategy set-up": ("lit_ddp.strategies", "DDPStrategy", "setup"),
+    "data": ("lit_ddp.data.char", "CharDataModule", "prepare_data"),
+    "data ": ("lit_ddp.data.device_char", "DeviceCharDataModule", "setup"),  # its own, which calls CharDataModule's
+    "model build": ("lit_ddp.tasks.mingpt", "GPTModule", "configure_model"),
+}
+
+
+def fit_args(compile: str, accelerator: str, batch_size: int, steps: int, root: str) -> list[str]:
+    """gpu.yaml's fit with one validation of :data:`VALIDATION_BATCHES` batches after the third step."""
+    configs = ["--config", str(REPO / "configs/trainer/ddp.yaml"), "--config", str(REPO / "configs/mingpt/gpu.yaml")]
+    return [
+        "fit", *configs,
+        "--trainer.accelerator", accelerator, "--trainer.devices", "1", "--trainer.max_steps", str(steps),
+        "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", str(VALIDATION_BATCHES),
+        "--trainer.enable_progress_bar", "false",
+        "--data.init_args.batch_size", str(batch_size), "--model.init_args.compile", str(CHOICES[compile]).lower(),
+        "--trainer.default_root_dir", root,
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The child: one fit, its parts timed
+
+
+def child(out: Path, args: list[str]) -> None:
+    """Runs ``lit-ddp fit ARGS`` in this process with the parts timed, and writes them to ``out`` as JSON."""
+    launched = process_started_at()
+    import importlib
+
+    from lightning.pytorch import Callback
+
+    import lit_ddp.cli
+
+    imported = time.time()
+    spent: dict[str, float] = {}
+    marks: dict[str, float] = {}
+
+    def timed(part: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.time()
+            marks.setdefault(f"{part.strip()} start", t0)
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[part.strip()] = spent.get(part.strip(), 0.0) + time.time() - t0
+
+        return run
+
+    for part, (module, cls, method) in TIMED.items():
+        owner = getattr(importlib.import_module(module), cls)
+        setattr(owner, method, timed(part, getattr(owner, method)))
+
+    class Marks(Callback):
+        steps: list[tuple[int, float, float]] = []  # (global step, start, end)
+        validation: dict[str, Any] = {"batches": [], "start": 0.0, "end": 0.0, "loop_end": 0.0}
+
+        def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+            if not trainer.sanity_checking:
+                Marks.validation["start"] = time.time()
+
+        def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if not trainer.sanity_checking:
+                Marks.validation["batches"].append(time.time())
+
+        def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            if not trainer.sanity_checking:
+                Marks.validation["loop_end"] = time.time()
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:  # after the text sample's (listed first)
+            if not trainer.sanity_checking:
+                Marks.validation["end"] = time.time()
+
+        def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
+            marks["sanity start"] = time.time()
+
+        def on_sanity_check_end(self, trainer: Any, pl_module: Any) -> None:
+            spent["sanity check"] = time.time() - marks["sanity start"]
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+            Marks.steps.append((trainer.global_step + 1, time.time(), 0.0))
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            step, start, _ = Marks.steps[-1]
+            Marks.steps[-1] = (step, start, time.time())
+
+    original = lit_ddp.cli.LitDDPCLI.instantiate_trainer
+
+    def instantiate_trainer(self: Any, **kwargs: Any) -> Any:
+        trainer: Any = original(self, **kwargs)
+        trainer.callbacks.append(Marks())
+        return trainer
+
+    lit_ddp.cli.LitDDPCLI.instantiate_trainer = instantiate_trainer  # type: ignore[method-assign]
+    lit_ddp.cli.cli_main(args)
+    steps, val = Marks.steps, Marks.validation
+    first_start, first_end = steps[0][1], steps[0][2]
+    # Start to start, from step 2 on, leaving out the one validation falls in.
+    later = [b[1] - a[1] for a, b in zip(steps[1:], steps[2:], strict=False) if not a[1] < val["start"] < b[1]]
+    step_s = statistics.median(later) if later else steps[-1][2] - steps[-1][1]
+    batches = val["batches"]
+    batch_s = statistics.median(b - a for a, b in zip(batches, [*batches[1:], val["loop_end"]], strict=True))
+    parts = {"imports": imported - launched, "config and CLI": marks["process group start"] - imported}
+    parts |= {k: spent.get(k, 0.0) for k in ("process group", "data", "model build", "strategy set-up")}
+    parts["sanity check"] = spent.get("sanity check", 0.0)
+    parts["first step"] = first_end - first_start
+    parts["other"] = first_start - launched - sum(v for k, v in parts.items() if k != "first step")
+    result = {
+        "parts": parts,
+        "launch_to_first_step_s": first_end - launched,
+        "compile_s": max(parts["first step"] - step_s, 0.0),
+        "step_s": step_s,
+        "steps": [s[0] for s in steps],
+        "validation_batch_s": batch_s,  # its forward (eager, whatever the compile choice)
+        "validation_s": val["end"] - val["start"],  # the batches, the loop, the text sample
+        "validation_sample_s": val["end"] - val["loop_end"],  # after the loop: mostly the text sample
+    }
+    out.write_text(json.dumps(result, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pace: the choices' training steps by turns in one process, so that a shared CPU's load falls on all alike
+
+
+def pace(choices: list[str], batch_size: int, rounds: int, device: str = "cpu") -> dict[str, float]:
+    """Median seconds of a training step of gpu.yaml's model (forward, backward, clipping, the optimizer step as
+    gpu.yaml's BatchedOptimizerStep makes it; bf16 autocast) for each compile choice, stepped by turns after a first
+    step each (its compiling)."""
+    import torch
+    import yaml
+
+    from bench.harness.measure import alternate, seconds
+    from lit_ddp.callbacks.batched_step import batch_optimizer_step
+    from lit_ddp.data.char import build_vocab
+    from lit_ddp.recipe import build_optimizer
+    from lit_ddp.tasks.mingpt import GPTModule
+
+    config = yaml.safe_load((REPO / "configs/mingpt/gpu.yaml").read_text())
+    init = {**config["model"]["init_args"], "betas": tuple(config["model"]["init_args"]["betas"])}
+    vocab = build_vocab("".join(chr(c) for c in range(32, 97)))  # 65 characters, as Tiny Shakespeare's
+    x = torch.randint(0, len(vocab), (batch_size, config["data"]["init_args"]["block_size"]), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else None
+
+    def job(choice: str) -> Any:
+        torch.manual_seed(0)
+        block_size = config["data"]["init_args"]["block_size"]
+        module = GPTModule(**{**init, "compile": CHOICES[choice]}, block_size=block_size, vocab=vocab)
+        module = module.to(device).train()
+        assert module.model is not None
+        hp = module.hparams
+        rates = ("learning_rate", "weight_decay", "muon_learning_rate", "muon_momentum", "muon_weight_decay")
+        built = build_optimizer(module.model, hp["optimizer"], betas=hp["betas"], **{k: hp[k] for k in rates})
+        optimizer = batch_optimizer_step(built)
+
+        def step() -> None:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                _, loss = module(x, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()  # compiles
+        return step
+
+    steps = {choice: job(choice) for choice in choices}
+    timed = alternate({c: functools.partial(seconds, f, sync) for c, f in steps.items()}, rounds)
+    return {c: statistics.median(t) for c, t in timed.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent: one child per compile choice, the table
+
+
+def measure(compile: str, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "startup.json"
+        fit = fit_args(compile, args.accelerator, args.batch_size, args.steps, str(Path(tmp) / "run"))
+        env = bench_env(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"))  # a cold compile
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [sys.executable, "-m", "bench.startup", "--child", str(out), "--", *fit]
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"{compile}: {' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def estimate(result: dict[str, Any], step_s: float, steps_to_target: int) -> None:
+    """Adds to a child's ``result`` the estimates at ``step_s`` seconds a step: seconds from launch to 1.4697, the
+    validation's cost in steps, and the validation interval that costs least to see the crossing."""
+    result["paced_step_s"] = step_s
+    result["to_target_s"] = result["launch_to_first_step_s"] + (steps_to_target - 1) * step_s
+    # A validation every I steps sees the crossing I / 2 steps late on average and costs V steps each, S / I of them
+    # before it: I / 2 + V S / I, least at I = sqrt(2 V S) (text samples apart: gpu.yaml draws one every 5).
+    result["validation_steps"] = VALIDATION_BATCHES * result["validation_batch_s"] / step_s
+    result["best_interval"] = math.sqrt(2 * result["validation_steps"] * steps_to_target)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        child(Path(argv[1]), argv[3:])
+        return {}
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compile", nargs="+", choices=list(CHOICES), default=list(CHOICES))
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--batch_size", type=int, default=4, help="sequences of 256 tokens per step")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each fit (later steps: the pace)")
+    parser.add_argument("--steps_to_target", type=int, default=STEPS_TO_TARGET)
+    parser.add_argument("--rounds", type=int, default=5, help="training steps of each choice by turns, for the pace")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds for each fit")
+    parser.add_argument("--json", type=Path, help="write the results here too")
+    args = parser.parse_args(argv)
+    results = {c: measure(c, args) for c in args.compile}
+    device = "cuda" if args.accelerator == "gpu" else "cpu"
+    for choice, step_s in pace(args.compile, args.batch_size, args.rounds, device).items():
+        estimate(results[choice], step_s, args.steps_to_target)
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    print(f"gpu.yaml's model from launch to its first optimizer step, seconds: {args.accelerator}, {threads} thread(s), "
+          f"batch {args.batch_size} x 256, bf16 autocast, a cold Inductor cache")  # fmt: skip
+    rows = [[p, *(fmt(r["parts"][p]) for r in results.values())] for p in PARTS]
+    rows += [["launch to the first step", *(fmt(r["launch_to_first_step_s"]) for r in results.values())],
+             ["of which compiling (first step - a later one)", *(fmt(r["compile_s"]) for r in results.values())],
+             ["a later step (in the fit)", *(fmt(r["step_s"], ".2f") for r in results.values())],
+             ["a step, the choices by turns (median)", *(fmt(r["paced_step_s"], ".2f") for r in results.values())],
+             [f"estimate to 1.4697: first step + {args.steps_to_target - 1} steps",
+              *(fmt(r["to_target_s"], ".0f") for r in results.values())],
+             ["a validation batch (eager forward)", *(fmt(r["validation_batch_s"], ".2f") for r in results.values())],
+             [f"a validation ({VALIDATION_BATCHES} batches), in steps",
+              *(fmt(r["validation_steps"], ".1f") for r in results.values())],
+             ["its text sample (200 tokens)", *(fmt(r["validation_sample_s"], ".1f") for r in results.values())],
+             ["validation interval costing least to see 1.4697, steps",
+              *(fmt(r["best_interval"], ".0f") for r in results.values())]]  # fmt: skip
+    print(markdown_table(["compile:", *results], rows))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
