@@ -10,7 +10,8 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic bench-restore bench-chaos-spread bench-compile-restart bench-launches clean
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic bench-restore bench-chaos-spread bench-compile-restart bench-launches clean \
+	step1 step2 step3 step4 step5 notebooks
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +43,36 @@ TEST_WORKERS ?= 2
 test: venv lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not serial" --durations=25 $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || test $$? -eq 5
+
+# The README's five steps, each the command its section shows (tests/unit/test_readme.py checks that they agree).
+# step4 starts the multinode step's two agents on this machine, the first node at 127.0.0.1.
+step1: venv
+	$(BIN)/lit-ddp fit --config configs/regression/single_device.yaml
+
+step2: venv
+	$(BIN)/lit-ddp fit --config configs/trainer/ddp.yaml --config configs/regression/ddp.yaml
+
+step3: venv
+	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 $(BIN)/torchrun --standalone --nproc_per_node 2 \
+	  --max-restarts 3 -m lit_ddp fit --config configs/trainer/ddp.yaml \
+	  --config configs/checkpoint/fault_tolerant.yaml --config configs/regression/fault_tolerant.yaml
+
+STEP4 = $(BIN)/torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d --rdzv_id job1 \
+	  --rdzv_endpoint $${HEAD_HOST:-127.0.0.1}:29500 -m lit_ddp fit \
+	  --config configs/trainer/ddp.yaml --config configs/regression/multinode.yaml
+step4: venv
+	$(STEP4) & $(STEP4); wait
+
+step5: venv
+	$(BIN)/lit-ddp fit --config configs/trainer/ddp.yaml --config configs/mingpt/cpu.yaml
+
+# Every notebook run top to bottom and saved with its outputs, figures inline (about 4 minutes on 2 cores; their runs
+# go to runs/notebooks).
+notebooks: venv
+	for nb in notebooks/*.ipynb; do \
+	  MPLBACKEND=module://matplotlib_inline.backend_inline $(BIN)/jupyter nbconvert --to notebook --execute \
+	    --inplace --ExecutePreprocessor.timeout=600 --ExecutePreprocessor.record_timing=False "$$nb" || exit 1; \
+	done
 
 # Only the unit tests (tests/unit: none carries a slow / multiprocess / slurm marker; tests/conftest.py checks).
 test-fast: venv

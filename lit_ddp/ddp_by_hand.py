@@ -1,4 +1,4 @@
-"""DDP by hand, in plain PyTorch with two CPU processes: the workers that ``notebooks/01_what_is_ddp.ipynb``
+"""DDP by hand, in plain PyTorch with two CPU processes: the workers that ``notebooks/00_what_is_ddp.ipynb``
 spawns.
 
 ``torch.multiprocessing`` with the ``spawn`` start method pickles the function each worker runs by reference

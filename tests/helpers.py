@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -61,18 +62,74 @@ def noise_lines(output: str) -> list[str]:
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
 
-# docs/tutorial.md's table of what each README step prints (tests/system/test_tutorial_page.py checks it).
+# docs/tutorial.md's table of what each step prints (tests/system/test_tutorial_page.py checks it).
 TUTORIAL_PAGE = REPO / "docs" / "tutorial.md"
+README = REPO / "README.md"
 
 
-def readme_commands() -> dict[str, str]:
-    """The README's step table ("The tutorial, step by step"): the first column (a step's name) -> its command."""
-    section = (REPO / "README.md").read_text().split("## The tutorial, step by step", 1)[1].split("\n## ", 1)[0]
-    return dict(re.findall(r"^\| (.+?) \| `([^`]+)`[^|]*\|$", section, re.M))
+def readme_outputs() -> Any:
+    """``scripts/readme_outputs.py`` as a module: it runs the README's commands and writes their output blocks."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import readme_outputs as module
+
+    return module
+
+
+def readme_steps() -> dict[str, str]:
+    """The README's tutorial steps: each command of a bash block under a numbered heading (``## 3. Fault-tolerant
+    ...``), by the heading's text (``3. Fault-tolerant distributed training with torchrun``); a step's command that
+    prints no output block: the heading and the command's program in parentheses (``4. Multinode training
+    (sbatch)``)."""
+    tool = readme_outputs()
+    text = README.read_text()
+    shown = {block.command for block in tool.blocks(text)}
+    steps: dict[str, str] = {}
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        title = section.splitlines()[0].strip()
+        if not re.match(r"\d\. ", title):
+            continue
+        for fence in re.finditer(r"^```bash\n(.*?)^```\n", section, re.M | re.S):
+            for command in tool.commands(fence[1]):
+                program = next(w for w in shlex.split(command) if not re.match(r"^\w+=", w))  # past NAME=VALUE
+                steps[title if command in shown else f"{title} ({Path(program).name})"] = command
+    return steps
+
+
+def more_compositions() -> dict[str, str]:
+    """docs/tutorial.md's "More compositions": the first column (a composition's name) -> its command."""
+    section = TUTORIAL_PAGE.read_text().split("## More compositions", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| (.+?) \| `([^`]+)` \|$", section, re.M))
+
+
+def step_commands() -> dict[str, str]:
+    """Every documented training command by name: the README's steps, then docs/tutorial.md's other compositions."""
+    return readme_steps() | more_compositions()
+
+
+def documented_commands() -> list[str]:
+    """Every shell command the README and docs/tutorial.md show: the README's bash blocks (continuations joined)
+    and inline code spans of both pages."""
+    commands = readme_outputs().commands
+    found = []
+    for page in (README, TUTORIAL_PAGE):
+        text = page.read_text()
+        for fence in re.finditer(r"^```bash\n(.*?)^```\n", text, re.M | re.S):
+            found += commands(fence[1])
+        text = re.sub(r"^```.*?^```\n", "", text, flags=re.M | re.S)
+        found += [span for span in re.findall(r"`([^`\n]+)`", text) if _splits(span)]
+    return found
+
+
+def _splits(text: str) -> bool:
+    """Whether ``text`` splits into words as a shell's (a code span that wraps a line pairs its backticks wrong)."""
+    try:
+        return bool(shlex.split(text))
+    except ValueError:
+        return False
 
 
 def page_figures() -> tuple[float, dict[str, dict[str, float]]]:
-    """The page's tolerance (relative) and, per README step name measured here, its figures: ``first_step``,
+    """The page's tolerance (relative) and, per step name measured here, its figures: ``first_step``,
     ``first_loss``, ``last_step``, ``last_loss``."""
     text = TUTORIAL_PAGE.read_text()
     tolerance = float(re.search(r"within (\d+(?:\.\d+)?) ?% \(relative\)", text).group(1)) / 100

@@ -1,4 +1,4 @@
-"""The plain-PyTorch DDP workers behind ``notebooks/01_what_is_ddp.ipynb`` finish and exit, every time.
+"""The plain-PyTorch DDP workers behind ``notebooks/00_what_is_ddp.ipynb`` finish and exit, every time.
 
 Before the DDP wrapper was dropped ahead of ``destroy_process_group``, about one spawn in two never exited
 (a GIL deadlock in the gloo backend's destructor), so the notebook test failed now and then; a few spawns

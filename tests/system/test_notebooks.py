@@ -1,5 +1,5 @@
 """The notebooks run top to bottom (nbclient, a real kernel, cwd = notebooks/) and compute what they claim.
-(That the committed notebooks carry no outputs: ``tests/unit/test_notebooks.py``.)
+(That the committed notebooks carry their outputs: ``tests/unit/test_notebooks.py``.)
 
 Each notebook writes its key numbers to ``$LIT_DDP_NOTEBOOK_OUT/<name>.json``; the tests read them back.
 """
@@ -37,7 +37,7 @@ def execute(name: str, out_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_what_is_ddp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    results = execute("01_what_is_ddp", tmp_path, monkeypatch)
+    results = execute("00_what_is_ddp", tmp_path, monkeypatch)
     shards = results["shards"]
     assert shards["disjoint"] and shards["reshuffled"]
     assert len(shards["indices"]) == 2 and all(len(epochs) == 2 for epochs in shards["indices"])
@@ -51,7 +51,9 @@ def test_what_is_ddp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_regression_ddp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps 1 and 2: the module's code, the settings DDP changes (devices and the strategy among them), both runs."""
     results = execute("02_regression_ddp", tmp_path, monkeypatch)
+    assert {"trainer.devices", "trainer.strategy.class_path"} <= set(results["differences"])
     single, ddp = results["single"], results["ddp"]
     assert single["steps"] == 2 * ddp["steps"] == 560  # 10 epochs of 56 (one device) or 28 (two) steps
     for run in (single, ddp):
@@ -62,9 +64,22 @@ def test_regression_ddp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_kill_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 3: rank 1 SIGKILLed mid-epoch under torchrun, the restart resumes from the step-100 checkpoint, and the
+    run ends with the uninterrupted run's weights and validation curve, bit for bit."""
+    results = execute("03_kill_and_resume", tmp_path, monkeypatch)
+    assert results["global_steps"] == [168, 168] and results["tensors"] >= 2 and results["different"] == []
+    [resumed] = results["resumed"]
+    assert "at global_step 100, epoch 3, restart 1 of this job" in resumed  # step=100.ckpt or last.ckpt: both hold it
+    assert results["curves_equal"] and results["validations"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_mingpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    results = execute("03_mingpt", tmp_path, monkeypatch)
+    results = execute("05_mingpt", tmp_path, monkeypatch)
     val = [loss for _, loss in results["val_loss"]]
     assert len(val) == 3 and val[-1] < val[0] < 4.2  # below ln(65): better than uniform from the first check
     assert results["train_loss_last"] < results["train_loss_first"] - 1.0
@@ -77,7 +92,7 @@ def test_mingpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fsdp2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What each rank holds (FSDP2 on 2: half of DDP's bytes), the collectives per block, a sharded checkpoint
     with a shard file per rank, text generated from it."""
-    results = execute("04_fsdp2", tmp_path, monkeypatch)
+    results = execute("06_fsdp2", tmp_path, monkeypatch)
     assert 0.49 < results["ratio"] < 0.51
     n_layer = results["n_layer"]
     assert results["calls"] == {"all_gather_single": 2 * n_layer + 1, "reduce_scatter_single": n_layer + 1}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import yaml
 
 from lit_ddp.cli import cli_main
 from lit_ddp.launch.main_job import CPU_CONFIGS, GPU_CONFIGS, default_configs
-from tests.helpers import CONFIGS, REPO, noise_lines, page_figures, readme_commands
+from tests.helpers import CONFIGS, REPO, documented_commands, noise_lines, page_figures, step_commands
 
 ALL = sorted(CONFIGS.rglob("*.yaml"))
 BASE = CONFIGS / "regression" / "single_device.yaml"
@@ -50,10 +49,9 @@ def resolved(configs: list[str], capsys: pytest.CaptureFixture, *extra: str) -> 
 
 def readme_compositions() -> dict[str, list[str]]:
     """Every ``lit-ddp fit`` / ``-m lit_ddp fit`` / ``sbatch slurm/train.sbatch`` / ``make train`` command of
-    the README, as the list of configs it composes, keyed by the command."""
-    readme = (REPO / "README.md").read_text()
+    the README and docs/tutorial.md, as the list of configs it composes, keyed by the command."""
     found: dict[str, list[str]] = {}
-    for command in re.findall(r"`([^`\n]+)`", readme):
+    for command in documented_commands():
         words = shlex.split(command)
         if "fit" in words and "--config" in words:
             found[command] = [words[i + 1] for i, w in enumerate(words) if w == "--config"]
@@ -188,12 +186,12 @@ def test_step_configs_sample_and_measure_throughput(name: str) -> None:
 
 
 def test_the_tutorial_page_gives_figures_for_every_step_runnable_here() -> None:
-    """docs/tutorial.md's "What each step prints" has a row for each README step (the GPU one's figures come from
-    a GPU machine), and no other."""
+    """docs/tutorial.md's "What each step prints" has a row for each README step and each of its other compositions
+    (the GPU ones' figures come from a GPU machine), and no other."""
     _, figures = page_figures()
-    runnable = {name for name, command in readme_commands().items() if "gpu.yaml" not in command}
-    assert runnable - set(figures) == set(), "README steps the page gives no figures for"
-    assert set(figures) - set(readme_commands()) == set(), "page rows that name no README step"
+    runnable = {name for name, command in step_commands().items() if "gpu.yaml" not in command}
+    assert runnable - set(figures) == set(), "documented commands the page gives no figures for"
+    assert set(figures) - set(step_commands()) == set(), "page rows that name no documented command"
 
 
 @pytest.mark.parametrize("command", list(readme_compositions()), ids=lambda c: c.split()[-1])
