@@ -227,7 +227,8 @@ CONF
     log "kept the previous /etc/slurm/slurm.conf as slurm.conf.before-lit-ddp"
   fi
   OLD_NODES=$(conf_nodes /etc/slurm/slurm.conf | paste -sd " ")
-  OLD_GRES=$(sed -n 's/^NodeName=.* \(Gres=[^ ]*\).*/\1/p' /etc/slurm/slurm.conf 2>/dev/null | sort -u | paste -sd " ")
+  OLD_GRES=""  # a machine where Slurm was just installed has no slurm.conf yet
+  [ -f /etc/slurm/slurm.conf ] && OLD_GRES=$(sed -n 's/^NodeName=.* \(Gres=[^ ]*\).*/\1/p' /etc/slurm/slurm.conf | sort -u | paste -sd " ")
   CONF_CHANGED=1
   cmp -s "$BASE/etc/slurm.conf" /etc/slurm/slurm.conf && CONF_CHANGED=0
   install -m 0644 "$BASE/etc/slurm.conf" /etc/slurm/slurm.conf
