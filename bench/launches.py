@@ -1,34 +1,21 @@
-"""Kernel launches of the GPU main job's step, counted on a CPU (issue 52; ``make bench-launches``, about a minute):
-the aten ops (an eager op is about one CUDA kernel launch) and milliseconds of one optimizer step and one training
-step of ``configs/mingpt/gpu.yaml``'s model (not compiled, train mode, bf16 autocast, 4 x 256 tokens: fewer rows than
-gpu.yaml's 64 change no op count), for the recipe's optimizer (``torch.optim.Muon`` and AdamW, as a CPU steps it and
-as CUDA does, ``foreach``) and for gpu.yaml's :class:`~lit_ddp.callbacks.batched_step.BatchedOptimizerStep`
-(BatchedMuon, AdamW ``fused``). Counted over each optimizer's second step; ms: the median of ``--reps`` steps by
-turns. CPU attention kernels differ from CUDA's: the training step's count is near a GPU's, not equal.
+"""Kernel launches of the GPU main job's step, counted on a CPU (``make bench-launches``; docs/speed.md, "Optimizer
+step: aten ops"): aten ops and ms of one optimizer step and one training step of gpu.yaml's model (eager, bf16
+autocast, 4 x 256 tokens) for the recipe's optimizer (a CPU's AdamW, CUDA's ``foreach``) and for gpu.yaml's
+:class:`~lit_ddp.callbacks.batched_step.BatchedOptimizerStep`. Counted over each optimizer's second step; ms: the
+median of ``--reps`` steps by turns.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import torch
-import yaml
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.harness.measure import alternate, markdown_table, seconds
+from bench.harness.ops import VOCAB, AtenOps, gpu_yaml_model
 from lit_ddp.callbacks.batched_step import batch_optimizer_step
-from lit_ddp.data.char import build_vocab
-from lit_ddp.recipe import build_optimizer
-from lit_ddp.tasks.mingpt import GPTModule
-
-GPU_YAML = Path(__file__).resolve().parents[1] / "configs" / "mingpt" / "gpu.yaml"
-
-VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65 characters
 
 
 def cuda_default(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -46,39 +33,12 @@ VARIANTS: dict[str, Callable[[torch.optim.Optimizer], torch.optim.Optimizer]] = 
 }
 
 
-class AtenOps(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it (views and profiler marks too)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-
 class Job:
     """gpu.yaml's model and one choice of optimizer, from the same seed."""
 
     def __init__(self, variant: Callable[[torch.optim.Optimizer], torch.optim.Optimizer], batch: torch.Tensor) -> None:
-        config = yaml.safe_load(GPU_YAML.read_text())
-        args = {**config["model"]["init_args"], "compile": False, "betas": tuple(config["model"]["init_args"]["betas"])}
-        torch.manual_seed(0)
-        module = GPTModule(**args, block_size=config["data"]["init_args"]["block_size"], vocab=build_vocab(VOCAB))
-        assert module.model is not None
-        self.model = module.model.train()
-        hp = module.hparams
-        self.optimizer = variant(build_optimizer(
-            self.model, "muon", learning_rate=hp["learning_rate"], weight_decay=hp["weight_decay"],
-            betas=hp["betas"], muon_learning_rate=hp["muon_learning_rate"], muon_momentum=hp["muon_momentum"],
-            muon_weight_decay=hp["muon_weight_decay"],
-        ))  # fmt: skip
-        self.batch = batch
+        module, optimizer = gpu_yaml_model()
+        self.model, self.optimizer, self.batch = module.model, variant(optimizer), batch
 
     def forward_backward(self) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -118,8 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         job.optimizer_step()  # the state, BatchedMuon's stacks
         optimizer_ops, training_ops = job.count()
         results[name] = {"optimizer_ops": optimizer_ops, "training_ops": training_ops}
-    times = alternate({name: job.time for name, job in jobs.items()}, args.reps)
-    for name, measured in times.items():
+    for name, measured in alternate({name: job.time for name, job in jobs.items()}, args.reps).items():
         results[name]["optimizer_ms"] = statistics.median(t[0] for t in measured)
         results[name]["training_ms"] = statistics.median(t[1] for t in measured)
     print(f"gpu.yaml's model on this CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, batch "

@@ -1,0 +1,63 @@
+"""Counting on a CPU what a GPU step would launch: :class:`AtenOps` (an eager aten op is about one CUDA kernel launch)
+and :func:`gpu_yaml_model`, ``configs/mingpt/gpu.yaml``'s model and its recipe's optimizer, outside a fit."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.harness.launch import REPO
+
+GPU_YAML = REPO / "configs" / "mingpt" / "gpu.yaml"
+VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65 characters
+
+
+class AtenOps(TorchDispatchMode):
+    """While active, counts the aten ops that :meth:`counts` accepts (here every one, views too) under the label
+    :attr:`phase`; :meth:`counted` sees the output of each counted op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase: Any = None
+        self.ops: collections.Counter[Any] = collections.Counter()
+
+    def counts(self, name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+        return True
+
+    def counted(self, out: Any) -> None:
+        pass
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        counts = self.counts(func.overloadpacket.__name__, args, kwargs)
+        self.ops[self.phase] += counts
+        out = func(*args, **kwargs)
+        if counts:
+            self.counted(out)
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def gpu_yaml_model(compile: bool | str = False, device: str = "cpu") -> tuple[Any, torch.optim.Optimizer]:
+    """gpu.yaml's ``GPTModule`` (seed 0, train mode, ``compile`` as given) on ``device`` and the optimizer its recipe
+    builds from the module's hyperparameters (:func:`lit_ddp.recipe.build_optimizer`)."""
+    import yaml
+
+    from lit_ddp.data.char import build_vocab
+    from lit_ddp.recipe import build_optimizer
+    from lit_ddp.tasks.mingpt import GPTModule
+
+    config = yaml.safe_load(GPU_YAML.read_text())
+    init = {**config["model"]["init_args"], "compile": compile, "betas": tuple(config["model"]["init_args"]["betas"])}
+    torch.manual_seed(0)
+    module = GPTModule(**init, block_size=config["data"]["init_args"]["block_size"], vocab=build_vocab(VOCAB))
+    module = module.to(device).train()
+    hp = module.hparams
+    rates = ("learning_rate", "weight_decay", "muon_learning_rate", "muon_momentum", "muon_weight_decay")
+    return module, build_optimizer(module.model, hp["optimizer"], betas=hp["betas"], **{k: hp[k] for k in rates})
