@@ -1,28 +1,14 @@
-"""Host-device synchronizations of the GPU main job's training steps, counted on a CPU (issue 52).
+"""Host-device synchronizations of the GPU main job's training steps, counted on a CPU (issue 52; docs/speed.md,
+"Host syncs"): gpu.yaml's steps should wait on the device only on the steps that log, save or validate.
 
-On a GPU the host queues kernels ahead of the device; a step that reads a device tensor's value on the host
-(``.item()``, ``bool(t)``, ``if t:``, ``float(t)``, ``.tolist()``, ``.cpu()``, an op whose output size depends on
-the values: ``nonzero``, boolean-mask indexing...) or copies host data to the device without ``non_blocking``
-(``torch.tensor(data, device=cuda)``) waits until the device has run everything queued before: the launch-bound
-step then pays the device's time and the host's one after the other. gpu.yaml's steps should do that only on the
-steps that log (and save, and validate).
-
-A CPU has no device to wait for, so :class:`HostSyncs` counts what would synchronize on one: while it is active,
-the tensors marked as device tensors (:meth:`HostSyncs.mark`: the model's parameters and buffers, each batch) and
-every tensor an aten op computes from one are device tensors, and a sync is
-
-- an aten op of :data:`SYNC_OPS` (or boolean-mask indexing) with a device tensor among its inputs;
-- ``Tensor.tolist`` / ``.numpy`` / ``.cpu`` of a device tensor (Python reads, which dispatch no aten op on a CPU);
-- ``torch.tensor`` / ``torch.as_tensor`` of host data with ``device=`` the module's device (a ``torch.device``: a
-  literal ``"cpu"`` means the host, as torch's AdamW keeps its step counts), and a host tensor's ``.to(device)``
-  without ``non_blocking`` (a blocking copy on CUDA); Lightning's batch transfer is left out: it passes
-  ``non_blocking=True`` on CUDA.
-
-``.to("cpu")`` of a device tensor is not seen (on a CPU it cannot be told from a move to the device), nor are
-tensors that factory functions create on the device without a marked input. :class:`StepSyncs` is the callback
-that marks the tensors and books each sync, and each aten op on a device tensor (about one CUDA kernel launch each,
-eager), to the training step it falls in: from one ``on_train_batch_start`` to the next, with validation apart. On a
-CUDA device it counts the real thing instead: ``torch.cuda.set_sync_debug_mode("warn")``'s warnings per step.
+A CPU has no device to wait for, so :class:`HostSyncs` counts what would synchronize on one: the tensors marked as on
+the device (:meth:`HostSyncs.mark`: parameters, buffers, each batch) and every tensor an aten op computes from one are
+device tensors; a sync is an aten op of :data:`SYNC_OPS` (or boolean-mask indexing) on one, its ``.tolist`` /
+``.numpy`` / ``.cpu``, or a blocking copy of host data to the device (``torch.tensor(data, device=<torch.device>)``, a
+host tensor's ``.to(device)`` without ``non_blocking``; Lightning's batch transfer passes ``non_blocking`` on CUDA).
+Not seen: ``.to("cpu")`` of a device tensor, factory functions on the device. :class:`StepSyncs` books each sync and
+aten op on a device tensor to its training step; on CUDA it counts ``torch.cuda.set_sync_debug_mode("warn")``'s
+warnings instead.
 
     python -m bench.host_syncs        # a tiny gpu.yaml fit on this CPU, the syncs and aten ops of each step
 """
@@ -38,20 +24,18 @@ import tempfile
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from bench.harness.launch import REPO, fit_command
+from bench.harness.ops import AtenOps
 from lit_ddp import compat
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Aten ops that read a device tensor's values on the host, or size their output by them (a CUDA kernel, then a
 # copy of the size to the host). `.item()`, `bool(t)`, `float(t)`, `int(t)` and `if t:` all reach
@@ -63,6 +47,7 @@ SYNC_OPS = frozenset({
 })  # fmt: skip
 MASK_INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
+OURS = ("bench/host_syncs.py", "bench/harness/ops.py")  # the counter's frames, left out of where a sync is
 LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})  # profiler's
 
 # The tiny gpu.yaml fit: gpu.yaml's settings on this CPU, at a size that takes seconds.
@@ -74,20 +59,14 @@ TINY_GPU_JOB = [
 ]  # fmt: skip
 
 
-class HostSyncs(TorchDispatchMode):
-    """While active, counts what would synchronize the host with a GPU (see the module's docstring), and the aten
-    ops on device tensors (about one CUDA kernel launch each, eager), under the label :attr:`phase`.
-
-    Args:
-        device: the device the module trains on (``torch.tensor(data, device=device)`` is a copy to it).
-    """
+class HostSyncs(AtenOps):
+    """While active, counts what would synchronize the host with a GPU (the module's docstring) and the aten ops on
+    device tensors, under the label :attr:`phase`; ``device``: the one the module trains on."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.device = torch.device(device)
-        self.phase: Any = None
         self.syncs: collections.Counter[Any] = collections.Counter()
-        self.ops: collections.Counter[Any] = collections.Counter()
         self.where: dict[Any, list[str]] = collections.defaultdict(list)
         self._device_tensors: dict[int, weakref.ref] = {}
         self._patched: list[tuple[Any, str, Any]] = []
@@ -114,18 +93,15 @@ class HostSyncs(TorchDispatchMode):
         self.syncs[self.phase] += 1
         self.where[self.phase].append(f"{what} at {_caller()}")
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        inputs = tree_leaves((args, kwargs))
-        on_device = any(self.on_device(t) for t in inputs)
-        self.ops[self.phase] += on_device  # the host's own ops (a loader's collate) launch no kernel
+    def counts(self, name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+        """An op on a device tensor (the host's own, a loader's collate, launch no kernel), a sync or not."""
+        on_device = any(self.on_device(t) for t in tree_leaves((args, kwargs)))
         if on_device and (name in SYNC_OPS or (name in MASK_INDEXING and _has_mask(args))):
             self.count(f"aten.{name}")
-        out = func(*args, **kwargs)
-        if on_device:
-            self.mark(out)
-        return out
+        return on_device
+
+    def counted(self, out: Any) -> None:
+        self.mark(out)
 
     def __enter__(self) -> HostSyncs:
         self._patch(torch.Tensor, "tolist", self._reads)
@@ -199,7 +175,7 @@ def _caller() -> str:
     """The innermost frame of the code that asked, outside torch and this module: ``path:line function``."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = frame.filename
-        if "/torch/" in path or path == __file__ or "/lightning_utilities/" in path:
+        if "/torch/" in path or path.endswith(OURS) or "/lightning_utilities/" in path:
             continue
         short = path.split("site-packages/")[-1].replace(str(REPO) + "/", "")
         return f"{short}:{frame.lineno} {frame.name}"
@@ -225,20 +201,11 @@ class Step:
 
 
 class StepSyncs(Callback):
-    """Books the host syncs and aten ops of each training step (:class:`HostSyncs` on a CPU; on CUDA,
-    ``torch.cuda.set_sync_debug_mode("warn")``'s warnings, and no op count) into :attr:`steps`; validation's into
-    :attr:`validation`. A step runs from its ``on_train_batch_start`` to the next one's (the batch fetched and moved
-    before it belongs to the step before), validation from its start to the next step's.
-
-    On CUDA it also counts the kernel launches of ``launch_steps`` steps near the end (the last ones but one,
-    under ``torch.profiler``: its start-up then delays no step before), compiled kernels included, which no aten op
-    count sees. With ``out``, rank zero writes :meth:`summary` there as JSON at each validation and at the end
-    (``bench/gpu_check.py``).
-
-    Args:
-        from_step: the first global step counted (a later one leaves out the first steps' compiling).
-        out: a JSON file for :meth:`summary`.
-        launch_steps: steps whose kernel launches are counted, on CUDA (0: none).
+    """Books the host syncs and aten ops of each training step (on CUDA: sync warnings, no op count) into
+    :attr:`steps`, validation's into :attr:`validation`, from ``from_step`` on. A step runs from its
+    ``on_train_batch_start`` to the next one's, validation from its start to the next step's. On CUDA it also counts
+    the kernel launches (compiled ones too) of ``launch_steps`` steps, the last ones but one, under
+    ``torch.profiler``. With ``out``, rank zero writes :meth:`summary` there as JSON at each validation and at the end.
     """
 
     def __init__(self, from_step: int = 1, out: str | None = None, launch_steps: int = 0) -> None:
@@ -392,10 +359,9 @@ class StepSyncs(Callback):
         return [s for s in self.steps.values() if s.quiet]
 
 
-def callback_args(out: Path, from_step: int = 3, launch_steps: int = 2) -> list[str]:
-    """The ``lit-ddp fit`` argument adding :class:`StepSyncs` that writes its :meth:`~StepSyncs.summary` to ``out``
-    (after gpu.yaml's callbacks)."""
-    init = {"from_step": from_step, "out": str(out), "launch_steps": launch_steps}
+def callback_args(out: Path | None, from_step: int = 3, launch_steps: int = 2) -> list[str]:
+    """The ``lit-ddp fit`` argument adding :class:`StepSyncs` (writing its summary to ``out``)."""
+    init = {"from_step": from_step, "out": out and str(out), "launch_steps": launch_steps}
     return ["--trainer.callbacks+=" + json.dumps({"class_path": "bench.host_syncs.StepSyncs", "init_args": init})]
 
 
@@ -418,21 +384,13 @@ def summary_text(summary: dict[str, Any]) -> str:
     return text
 
 
-@contextmanager
-def _quiet_output() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 def count_fit(args: list[str], root: str, from_step: int = 1) -> StepSyncs:
     """``lit-ddp fit`` of ``args`` (gpu.yaml's) in ``root`` with :class:`StepSyncs` added: its counts."""
     from lit_ddp.cli import cli_main
 
-    added = json.dumps({"class_path": "bench.host_syncs.StepSyncs", "init_args": {"from_step": from_step}})
-    extra = [f"--trainer.callbacks+={added}", "--trainer.default_root_dir", root]
-    with _quiet_output():
-        cli = cli_main(["fit", *args, *extra])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = cli_main(["fit", *args, *callback_args(None, from_step, 0), "--trainer.default_root_dir", root])
     assert cli is not None
     from bench.host_syncs import StepSyncs as Added  # the class the CLI imported (this one may run as __main__)
 
@@ -440,11 +398,12 @@ def count_fit(args: list[str], root: str, from_step: int = 1) -> StepSyncs:
 
 
 def gpu_job_args(max_steps: int = 12, log_every_n_steps: int = 5, val_check_interval: int = 10) -> list[str]:
-    """The tiny gpu.yaml fit's arguments (:data:`TINY_GPU_JOB`): the DDP fragment and gpu.yaml, as ``make train``
-    composes them, on this CPU."""
-    configs = ["--config", str(REPO / "configs/trainer/ddp.yaml"), "--config", str(REPO / "configs/mingpt/gpu.yaml")]
+    """The tiny gpu.yaml fit's arguments (:data:`TINY_GPU_JOB`) after the DDP fragment, on this CPU."""
     steps = ["--trainer.max_steps", str(max_steps), "--trainer.log_every_n_steps", str(log_every_n_steps)]
-    return [*configs, *TINY_GPU_JOB, *steps, "--trainer.val_check_interval", str(val_check_interval)]
+    configs = (str(REPO / "configs/trainer/ddp.yaml"), str(REPO / "configs/mingpt/gpu.yaml"))
+    return fit_command(*configs, args=[*TINY_GPU_JOB, *steps, "--trainer.val_check_interval", str(val_check_interval)])[
+        4:
+    ]
 
 
 def main(argv: list[str] | None = None) -> StepSyncs:

@@ -1,25 +1,12 @@
-"""Where the seconds from launch to the GPU main job's first optimizer step go, part by part, for each ``compile``
-choice, on a CPU (issue 52): ``lit-ddp fit`` of the DDP fragment and ``configs/mingpt/gpu.yaml`` (its model, 6 x 6 x
-384, bf16 autocast; one process, batch 4 x 256 so that a CPU steps in seconds), each choice in a process of its own
-with a cold Inductor cache.
-
-The parts: ``imports`` (from the process's start, the interpreter and ``import lit_ddp.cli``: torch, Lightning),
-``config and CLI`` (parsing, the classes, the run directory, up to the strategy's set-up), ``process group``
-(``setup_environment``), ``data`` (``prepare_data`` and ``setup``: reading and encoding the text), ``model build``
-(``configure_model``), ``strategy set-up`` (the model to its device, the optimizers), ``sanity check`` (Lightning's
-validation of 2 batches before training), ``other`` (the rest before the first batch: hooks, loggers, loaders), ``first
-step`` (the first batch's step, which compiles), of which ``compile`` is its excess over a later step. Then the pace:
-a step of each choice, the choices stepped by turns in one process (a shared CPU's load then falls on all alike), and
-the estimate of the seconds from launch to val/loss 1.4697: launch to the first step plus ``--steps_to_target`` steps
-(about 800 on the H200, 2026-11-27: 1.4752 at step 750, 1.4475 at 1,000) at that pace. Last, validation: an eager
-batch's seconds, a validation of gpu.yaml's 7 batches in steps (batch sizes scaled alike), its text sample, and the
-validation interval that costs least to see 1.4697 crossed.
+"""Where the seconds from launch to the GPU main job's first optimizer step go, part by part (:data:`PARTS`), for
+each ``compile`` choice (docs/speed.md, "Start-up, part by part"): ``lit-ddp fit`` of the DDP fragment and gpu.yaml on
+one process, batch 4 x 256 on a CPU, each choice in a process of its own with a cold Inductor cache. Then the pace (a
+step of each choice, the choices by turns in one process), the estimate of launch to val/loss 1.4697 (the first step
+plus ``--steps_to_target`` steps at that pace), and validation's cost: an eager batch, gpu.yaml's 7 batches in steps,
+its text sample, and the validation interval that costs least to see 1.4697 crossed.
 
     python -m bench.startup                          # none, blocks, model: a few minutes on this CPU
-    python -m bench.startup --compile blocks --json out.json
-
-On a GPU (``--accelerator gpu --batch_size 64``; not run on one yet) the same parts give the GPU's figures, which
-decide; this CPU's decide gpu.yaml's choice until one exists. The CPU's seconds are rough where the CPU is shared.
+    python -m bench.startup --accelerator gpu --batch_size 64      # on a GPU (not run on one yet)
 """
 
 from __future__ import annotations
@@ -30,17 +17,17 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.launch import REPO, bench_env, process_started_at
+from bench.harness.launch import QUIET, REPO, bench_env, fit_command, process_started_at, run
 from bench.harness.measure import fmt, markdown_table
 
 CHOICES: dict[str, bool | str] = {"none": False, "blocks": "blocks", "model": True}  # --compile: GPTModule's
+GPU_JOB = ("configs/trainer/ddp.yaml", "configs/mingpt/gpu.yaml")
 STEPS_TO_TARGET = 800  # the H200's main job: 1.4752 at step 750, 1.4475 at 1,000 (linear between: ~800)
 VALIDATION_BATCHES = 7  # gpu.yaml's validation split: 390 windows of 256, 7 batches of 64
 PARTS = ("imports", "config and CLI", "process group", "data", "model build", "strategy set-up", "sanity check",
@@ -56,15 +43,10 @@ TIMED = {  # part: (module, class, method) whose calls it sums
 
 def fit_args(compile: str, accelerator: str, batch_size: int, steps: int, root: str) -> list[str]:
     """gpu.yaml's fit with one validation of :data:`VALIDATION_BATCHES` batches after the third step."""
-    configs = ["--config", str(REPO / "configs/trainer/ddp.yaml"), "--config", str(REPO / "configs/mingpt/gpu.yaml")]
-    return [
-        "fit", *configs,
-        "--trainer.accelerator", accelerator, "--trainer.devices", "1", "--trainer.max_steps", str(steps),
-        "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", str(VALIDATION_BATCHES),
-        "--trainer.enable_progress_bar", "false",
-        "--data.init_args.batch_size", str(batch_size), "--model.init_args.compile", str(CHOICES[compile]).lower(),
-        "--trainer.default_root_dir", root,
-    ]  # fmt: skip
+    args = ["--trainer.accelerator", accelerator, "--trainer.devices", "1", "--trainer.max_steps", str(steps),
+            "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", str(VALIDATION_BATCHES), *QUIET[:2],
+            "--data.init_args.batch_size", str(batch_size), "--model.init_args.compile", str(CHOICES[compile]).lower()]  # fmt: skip
+    return fit_command(*(str(REPO / c) for c in GPU_JOB), root=Path(root), args=args)[3:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,30 +157,17 @@ def pace(choices: list[str], batch_size: int, rounds: int, device: str = "cpu") 
     gpu.yaml's BatchedOptimizerStep makes it; bf16 autocast) for each compile choice, stepped by turns after a first
     step each (its compiling)."""
     import torch
-    import yaml
 
     from bench.harness.measure import alternate, seconds
+    from bench.harness.ops import VOCAB, gpu_yaml_model
     from lit_ddp.callbacks.batched_step import batch_optimizer_step
-    from lit_ddp.data.char import build_vocab
-    from lit_ddp.recipe import build_optimizer
-    from lit_ddp.tasks.mingpt import GPTModule
 
-    config = yaml.safe_load((REPO / "configs/mingpt/gpu.yaml").read_text())
-    init = {**config["model"]["init_args"], "betas": tuple(config["model"]["init_args"]["betas"])}
-    vocab = build_vocab("".join(chr(c) for c in range(32, 97)))  # 65 characters, as Tiny Shakespeare's
-    x = torch.randint(0, len(vocab), (batch_size, config["data"]["init_args"]["block_size"]), device=device)
     sync = torch.cuda.synchronize if device == "cuda" else None
 
     def job(choice: str) -> Any:
-        torch.manual_seed(0)
-        block_size = config["data"]["init_args"]["block_size"]
-        module = GPTModule(**{**init, "compile": CHOICES[choice]}, block_size=block_size, vocab=vocab)
-        module = module.to(device).train()
-        assert module.model is not None
-        hp = module.hparams
-        rates = ("learning_rate", "weight_decay", "muon_learning_rate", "muon_momentum", "muon_weight_decay")
-        built = build_optimizer(module.model, hp["optimizer"], betas=hp["betas"], **{k: hp[k] for k in rates})
+        module, built = gpu_yaml_model(CHOICES[choice], device)
         optimizer = batch_optimizer_step(built)
+        x = torch.randint(0, len(VOCAB), (batch_size, module.hparams["block_size"]), device=device)
 
         def step() -> None:
             with torch.autocast(device, dtype=torch.bfloat16):
@@ -226,12 +195,8 @@ def measure(compile: str, args: argparse.Namespace) -> dict[str, Any]:
         fit = fit_args(compile, args.accelerator, args.batch_size, args.steps, str(Path(tmp) / "run"))
         env = bench_env(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"))  # a cold compile
         env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, "-m", "bench.startup", "--child", str(out), "--", *fit]
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-        if done.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"{compile}: {' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        result: dict[str, Any] = json.loads(out.read_text())
-    return result
+        run([sys.executable, "-m", "bench.startup", "--child", str(out), "--", *fit], args.timeout, env=env)
+        return json.loads(out.read_text())
 
 
 def estimate(result: dict[str, Any], step_s: float, steps_to_target: int) -> None:
