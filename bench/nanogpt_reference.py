@@ -1,22 +1,14 @@
 """The reference the main job is timed against: nanoGPT's Shakespeare-char recipes as a plain single-process
-PyTorch loop, on the CPU (``--recipe cpu``, the default) or a GPU (``--recipe gpu``).
+PyTorch loop (no Lightning: a plain loop's start-up), on the CPU (``--recipe cpu``) or a GPU (``--recipe gpu``).
 
-``--recipe cpu``: nanoGPT's README "baby GPT" on a CPU (``train.py config/train_shakespeare_char.py --device=cpu
---compile=False --eval_iters=20 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
---lr_decay_iters=2000 --dropout=0.0``). ``--recipe gpu``: ``config/train_shakespeare_char.py`` on one GPU with
-``max_iters`` and ``lr_decay_iters`` 2000 (issue 44): 6 x 6 x 384, context 256, 64 windows, dropout 0.2, evaluation
-every 250 iterations over 200 batches of each split; bf16 autocast, ``torch.compile``, fused AdamW, TF32, pinned
-batches. nanoGPT's README reports val loss 1.4697 for it (the mark the GPU main job is timed against).
-
-nanoGPT's recipe from its facts, with the model of :mod:`lit_ddp.models.gpt` (no biases, tied head): vocabulary the
-sorted distinct characters, first 90% train, random windows (``prepare.py``, ``get_batch``); AdamW lr 1e-3, betas
-(0.9, 0.99), weight decay 0.1 on 2-D parameters only, 100 warmup iterations then a cosine to 1e-4 (``get_lr``),
-clipping at 1.0; evaluation at 0 and every 250 iterations (``estimate_loss``); seed 1337; torch threads
-``os.cpu_count()``. Written out here on purpose, not taken from :mod:`lit_ddp.recipe` (the job's), and imports no
-Lightning, so its start-up is a plain loop's. Left out: nanoGPT's checkpoint writes, progress prints, and the step
-after the final evaluation. Times are seconds since the process started (``/proc``: start-up and imports count);
-iteration time from the iterations between evaluations, the first interval (compilation) left out; MFU against the
-throughput callback's peak (:func:`bench.harness.measure.peak_flops`), after the last evaluation.
+``cpu``: nanoGPT's README "baby GPT" on a CPU (4 x 4 x 128, context 64, 12 windows, eval_iters 20, 2000 iterations,
+dropout 0); ``gpu``: ``config/train_shakespeare_char.py`` on one GPU, 2000 iterations (6 x 6 x 384, context 256, 64
+windows, dropout 0.2, 200 eval batches; bf16 autocast, ``torch.compile``, fused AdamW, TF32, pinned batches), val
+loss 1.4697 in nanoGPT's README. Written from nanoGPT's facts (``prepare.py``, ``get_batch``, ``get_lr``,
+``estimate_loss``, ``configure_optimizers``) with :mod:`lit_ddp.models.gpt`'s model (no biases), not from
+:mod:`lit_ddp.recipe`; left out: checkpoint writes, progress prints, the step after the final evaluation. Times are
+seconds since the process started; iteration time from the intervals between evaluations after the first; MFU
+against :func:`bench.harness.measure.peak_flops`.
 
     nice -n 10 .venv/bin/python -m bench.nanogpt_reference --target 1.886
     python -m bench.nanogpt_reference --recipe gpu --stop_at_target --json /tmp/reference.json
