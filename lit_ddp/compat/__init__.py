@@ -10,7 +10,7 @@
 - ``torch.py``: torch's own (torchdata's loader state, the c10d store and timeout, distributed checkpoint metadata,
   DTensor's strided shards);
 - ``torchft.py``: torchft's DDP wrapper (its communication hook, which crashes when a peer group dies mid
-  all-reduce);
+  all-reduce) and its checkpoint transport (a healing group's peer state read weights-only);
 - ``muon.py``: torch's Muon stepped in batches (:class:`~lit_ddp.compat.muon.BatchedMuon`), where torch has no
   batched step yet;
 - ``imports.py``: the installed versions and the one way a private name is imported.
@@ -100,6 +100,8 @@ from lit_ddp.compat.torchft import (
     comm_hook,
     fault_tolerant_ddp,
     stock_hook_survives_failed_allreduce,
+    transport_loads_weights_only,
+    weights_only_transport,
 )
 
 __all__ = [
@@ -147,6 +149,8 @@ __all__ = [
     "should_update_logs",
     "show_resumed_epoch",
     "stock_hook_survives_failed_allreduce",
+    "transport_loads_weights_only",
+    "weights_only_transport",
     "fix_last_batch_restart",
     "strategy_timeout",
     "tensorboard_hparams",

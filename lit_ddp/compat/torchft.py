@@ -1,5 +1,6 @@
-"""torchft's DDP wrapper: a replica group whose peer dies in the middle of the cross-group all-reduce keeps
-training instead of crashing.
+"""torchft's DDP wrapper and checkpoint transport: a replica group whose peer dies in the middle of the cross-group
+all-reduce keeps training instead of crashing (:func:`fault_tolerant_ddp`), and a healing group loads its peer's state
+weights-only (:func:`weights_only_transport`).
 
 torchft's ``DistributedDataParallel`` (0.2.0) averages each gradient bucket across replica groups in a
 communication hook, ``torchft.ddp.DistributedDataParallel._comm_hook``: it waits on ``Manager.allreduce``'s work and
@@ -18,6 +19,8 @@ torchft is an optional extra (``pip install -e ".[torchft]"``): it is imported i
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any
 
 import torch
@@ -106,3 +109,30 @@ def stock_hook_survives_failed_allreduce() -> bool:
     except AssertionError:
         return False
     return True
+
+
+def weights_only_transport() -> None:
+    """Makes torchft's HTTP checkpoint transport read a peer's state weights-only (tensors and plain data). torchft
+    0.2.0's ``HTTPTransport.recv_checkpoint`` (its ``_load_from_address``) calls torch's private
+    ``_streaming_load(f, weights_only=False)``, a plain
+    unpickle of whatever answers at the address the quorum gives (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` does not reach it:
+    it is not ``torch.load``); the state a lit-ddp group sends (:class:`lit_ddp.ft.heal.PeerState`) is tensors and
+    plain data. Idempotent; :func:`transport_loads_weights_only` shows whether torchft still asks for pickles.
+    """
+    module: Any = importlib.import_module("torchft.checkpointing.http_transport")
+    load = module._streaming_load
+    if getattr(load, "lit_ddp_weights_only", False):
+        return
+
+    def weights_only(f: Any, *args: Any, weights_only: bool = True, **kwargs: Any) -> Any:
+        return load(f, *args, weights_only=True, **kwargs)
+
+    weights_only.lit_ddp_weights_only = True  # type: ignore[attr-defined]
+    module._streaming_load = weights_only
+
+
+def transport_loads_weights_only() -> bool:
+    """Whether torchft's own HTTP transport loads weights-only (then :func:`weights_only_transport` is no longer
+    needed): read from the source of the module that loads a peer's answer."""
+    module = importlib.import_module("torchft.checkpointing.http_transport")
+    return "weights_only=False" not in inspect.getsource(module)

@@ -118,6 +118,7 @@ class TorchFTStrategy(SingleDeviceStrategy):
         if loopback.is_loopback(lighthouse.split("://")[-1].rsplit(":", 1)[0]):
             loopback.use_loopback_interface()  # gloo's connections between the groups on loopback
         self._store = loopback.store(0, None, True, wait_for_workers=False)
+        compat.weights_only_transport()  # a peer's state is tensors and plain data: nothing of it may run code
         peer_state = PeerState(trainer)
         manager = Manager(
             pg=ProcessGroupGloo(timeout=self.timeout),

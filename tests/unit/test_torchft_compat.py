@@ -54,3 +54,40 @@ def test_without_torchft_the_fragment_is_refused_in_one_line(monkeypatch: pytest
     with pytest.raises(UsageError, match=r"\.\[torchft\]") as refused:
         strategy.TorchFTStrategy()
     assert "\n" not in str(refused.value)
+
+
+class _Payload:
+    """Unpickled, it creates ``marker``: code from a peer's answer ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import builtins
+
+        return builtins.open, (self.marker, "w")
+
+
+def test_a_peers_state_is_read_weights_only(tmp_path) -> None:
+    """torchft's HTTP transport still unpickles a peer's answer (``weights_only=False``): the workaround stays needed;
+    with it a pickle that would run code is refused and a state of tensors and plain data is read."""
+    import io
+
+    from torch.distributed._serialization import _streaming_save
+    from torchft.checkpointing import http_transport
+
+    assert not compat.transport_loads_weights_only(), "torchft reads weights-only now: drop weights_only_transport"
+    compat.weights_only_transport()
+    compat.weights_only_transport()  # idempotent
+    marker = tmp_path / "MARKER"
+    planted = io.BytesIO()
+    _streaming_save({"step": 3, "payload": _Payload(str(marker))}, planted)
+    planted.seek(0)
+    with pytest.raises(Exception, match="Unsupported global"):
+        http_transport._streaming_load(planted, weights_only=False)
+    assert not marker.exists()
+    good = io.BytesIO()
+    _streaming_save({"step": 3, "w": torch.ones(2), "groups": [{"lr": 0.1}]}, good)
+    good.seek(0)
+    state = http_transport._streaming_load(good, weights_only=False)
+    assert state["step"] == 3 and torch.equal(state["w"], torch.ones(2))
