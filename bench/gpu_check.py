@@ -1,46 +1,24 @@
-"""The GPU check (issues 43 and 44) in two halves of at most 7 minutes each: every part alone on the GPU, each
-time-boxed, one table per half.
+"""The GPU check in two halves of at most 7 minutes each, every part alone on the GPU, time-boxed, one table per half
+(docs/speed.md, "On one GPU"; the Makefile's bench-gpu targets).
 
-    make bench-gpu-speed PYTHON=python3    # the speed half (the GPU image: no venv, wheels from .whl/)
-    make bench-gpu-path PYTHON=python3     # the path half (make bench-gpu: both, about 13 minutes)
+    make bench-gpu-speed PYTHON=python3    # main, reference (+ the ratio), tutorial, restart
+    make bench-gpu-path PYTHON=python3     # three, chaos_fsdp2, generate, chaos_ddp, determinism
     BENCH_GPU_PARTS="chaos_ddp generate" python3 -m bench.gpu_check    # some parts again
     BENCH_GPU_DRY=1 python -m bench.gpu_check   # every part on the CPU, tiny sizes: the plumbing (a few minutes)
 
-Two halves because a lit-ddp launch costs 15-55 s before its first step on an H200 (2026-11-27). Each half's parts
-come in order of value, so that a run cut short still gives the most. ``speed``:
-
-- ``main``: the GPU main job (``ddp.yaml`` + ``$BENCH_GPU_MAIN_CONFIG``, default ``configs/mingpt/gpu.yaml``) from a
-  fresh run directory: seconds from launch to its first step and to val/loss 1.70 / 1.55 / 1.50 / 1.4697 (nanoGPT's
-  README figure for this data), best val/loss, tokens/s and MFU, host syncs per step that neither logs, saves nor
-  validates and kernel launches per step (:mod:`bench.host_syncs`);
-- ``reference``: :mod:`bench.nanogpt_reference` ``--recipe gpu`` stopped at 1.4697: the same marks, ms/iter, tokens/s,
-  MFU, whether it reproduces nanoGPT's H100 figures (14.5 ms/iter, about 80 s to 1.4697) within 10 %; then the ratio
-  of the main job's time to 1.4697 over the reference's (target: at most 0.5);
-- ``tutorial``: the tutorial config on one GPU, a fixed number of steps: its TokenThroughputMonitor's tokens/s, MFU;
-- ``restart``: :mod:`bench.recovery` on the main job, one GPU: kill to the next optimizer step (target: 10 s).
-
-``path``: ``three``: three one-process tutorial fits at once, each to exit within 15 s of its last step (one that
-lingers gets its stacks in its log: ``py-spy dump``, else faulthandler's on SIGABRT); ``chaos_fsdp2`` / ``chaos_ddp``:
-``lit-ddp chaos`` on the tutorial model under FSDP2 (a ``term`` fault) and DDP (a ``kill``): the verdict; ``generate``:
-``lit-ddp generate --device cuda`` from the FSDP2 chaos run's checkpoint; ``determinism``:
-:mod:`bench.deterministic`, the step alone (0.933x on an H200, so last).
-
-Time: each part has a box (``BOXES``; ``$BENCH_GPU_BOX_<PART>`` overrides one); what a part leaves of its box goes to
-the next ones, and no part starts past the budget (``$BENCH_GPU_BUDGET``, default the chosen boxes' sum, ``setup``
-included: at most 420 s a half), counted from this script's start. Each command runs under ``timeout``; this process
-is the subreaper of every process the parts start and ends what one leaves behind (:mod:`bench.harness.launch`).
-
-Environment: every part runs under this script's Python. Where ``WHEEL_MODULES`` are missing and ``.whl/`` holds
-wheels, pip installs them into ``$BENCH_GPU_SITE`` (``/tmp/site``), put first on ``PYTHONPATH``. ``BENCH_GPU_PARTS``:
-part or group names, space- or comma-separated (``setup`` always runs first). ``BENCH_GPU_DRY=1``: tiny sizes on the
-CPU, one thread per process, 60 s for a fit to exit (``$BENCH_GPU_LINGER_S``), larger boxes. Output: the table, and
-under ``$OUT`` (else ``runs/bench_gpu``) ``table.md``, ``results.json``, ``logs.tar.gz``; run directories under
-``$BENCH_GPU_WORK`` (``runs/bench_gpu/work``). Exit status 0 when every part ran and passed, else 1.
+Each part's function says what it runs; they come in order of value, so a run cut short still gives the most. Each
+has a box (``BOXES``; ``$BENCH_GPU_BOX_<PART>``); what a part leaves goes to the next, and none starts past the budget
+(``$BENCH_GPU_BUDGET``, default the boxes' sum, ``setup`` included). This process is the subreaper of every process
+the parts start and ends what one leaves. Where ``WHEEL_MODULES`` are missing, ``setup`` pip-installs ``.whl/`` into
+``$BENCH_GPU_SITE`` (``/tmp/site``). ``$BENCH_GPU_MAIN_CONFIG``: the main job's config (``configs/mingpt/gpu.yaml``).
+Output: the table, and under ``$OUT`` (else ``runs/bench_gpu``) ``table.md``, ``results.json``, ``logs.tar.gz``; run
+directories under ``$BENCH_GPU_WORK``. Exit status 0 when every part ran and passed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -129,6 +107,13 @@ class Context:
         shutil.rmtree(run, ignore_errors=True)
         clock.unlink(missing_ok=True)
         return launch.fit_command(*configs, root=run, clock=clock, args=args, python=self.python), clock
+
+    def fit_figures(self, name: str, *configs: str, args: list[str], box: float) -> tuple[int, dict[str, Any]]:
+        """Runs :meth:`fit`'s command: its exit status and :func:`fit_figures` (``launched``: its launch)."""
+        cmd, clock = self.fit(name, *configs, args=args)
+        launched = time.time()
+        rc = self.run(name, cmd, box)
+        return rc, {**fit_figures(clock, launched), "launched": launched}
 
     def start(self, name: str, cmd: list[str], box: float, env: dict[str, str] | None = None) -> subprocess.Popen:
         return launch.start_boxed(cmd, box, self.logs / f"{name}.log", env or self.env)
@@ -219,32 +204,27 @@ def part_setup(ctx: Context, box: float) -> Row:
     warm = [sys.executable, "-c", "import lit_ddp.cli, torch._inductor.compile_fx"]
     rc = ctx.run("setup_imports", warm, box - (time.monotonic() - t0))
     notes.append(f"imports warmed in {time.monotonic() - t0:.0f} s")
-    notes.append(versions())
+    notes.append(", ".join([f"Python {sys.version.split()[0]}", *map(version_of, ("torch", "lightning"))]))
     return Row("setup", status_of(rc), "; ".join(notes), data={"gpu": gpu, "missing": missing})
 
 
-def versions() -> str:
-    """Python's, torch's and Lightning's versions (from the packages' metadata: no import)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def of(name: str) -> str:
-        with contextlib.suppress(PackageNotFoundError):
-            return f"{name} {version(name)}"
-        return f"no {name}"
-
-    return ", ".join([f"Python {sys.version.split()[0]}", of("torch"), of("lightning")])
+def version_of(name: str) -> str:
+    """A package's version from its metadata (no import)."""
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return f"{name} {importlib.metadata.version(name)}"
+    return f"no {name}"
 
 
 def part_main(ctx: Context, box: float) -> Row:
+    """The GPU main job from a fresh run directory: launch to its first step and to each of ``MARKS``, best val/loss,
+    tokens/s, MFU, host syncs and kernel launches per step (:mod:`bench.host_syncs`)."""
     if not (REPO / ctx.main_config).is_file():
         return Row("main", "missing config", f"{ctx.main_config} does not exist")
     syncs = ctx.work / "main.syncs.json"  # host syncs per step, kernel launches: bench/host_syncs.py (issue 52)
     syncs.unlink(missing_ok=True)
     args = [*(DRY_MAIN + DRY_MAIN_STEPS if ctx.dry else []), *host_syncs.callback_args(syncs)]
-    cmd, clock = ctx.fit("main", DDP, ctx.main_config, args=args)
-    launched = time.time()
-    rc = ctx.run("main", cmd, box)
-    f = fit_figures(clock, launched)
+    rc, f = ctx.fit_figures("main", DDP, ctx.main_config, args=args, box=box)
+    launched = f.pop("launched")
     f["host_syncs"] = json.loads(syncs.read_text()) if syncs.is_file() else {}
     marks = seconds_to_marks([(t - launched, loss) for t, _, loss in f["events"]["val"]])
     best = min(f["events"]["val"], key=lambda e: e[2]) if f["events"]["val"] else None
@@ -261,6 +241,8 @@ def part_main(ctx: Context, box: float) -> Row:
 
 
 def part_reference(ctx: Context, box: float) -> Row:
+    """:mod:`bench.nanogpt_reference` ``--recipe gpu`` stopped at 1.4697: the marks, ms/iter, tokens/s, MFU, and on
+    an H100 whether it reproduces nanoGPT's figures within 10 %."""
     cmd = [ctx.python, "-m", "bench.nanogpt_reference", "--recipe", "gpu", "--stop_at_target"]
     if ctx.dry:
         cmd += ["--device", "cpu", "--dtype", "float32", "--no-compile", "--n_layer", "2", "--n_head", "2",
@@ -311,12 +293,10 @@ def ratio_row(ctx: Context) -> Row | None:
 
 
 def part_tutorial(ctx: Context, box: float) -> Row:
+    """The tutorial config on one GPU, a fixed number of steps: its TokenThroughputMonitor's tokens/s and MFU."""
     steps, every = (20, 5) if ctx.dry else (100, 20)
     args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", str(every)]
-    cmd, clock = ctx.fit("tutorial", DDP, TUTORIAL, GPU, args=args + (DRY_TUTORIAL if ctx.dry else []))
-    launched = time.time()
-    rc = ctx.run("tutorial", cmd, box)
-    f = fit_figures(clock, launched)
+    rc, f = ctx.fit_figures("tutorial", DDP, TUTORIAL, GPU, args=args + (DRY_TUTORIAL if ctx.dry else []), box=box)
     figures = (
         f"{fmt(f['tokens_per_s'], ',.0f')} tokens/s, MFU {fmt(f['mfu'], '.3f')} (mean of "
         f"{max(len(f['events']['tput']) - 1, 0)} logged points after the first, every {every} steps; target MFU >= "
@@ -326,6 +306,7 @@ def part_tutorial(ctx: Context, box: float) -> Row:
 
 
 def part_restart(ctx: Context, box: float) -> Row:
+    """:mod:`bench.recovery` on the main job, one GPU: a SIGKILL to the next optimizer step."""
     if not (REPO / ctx.main_config).is_file():
         return Row("restart", "missing config", f"{ctx.main_config} does not exist")
     cmd = [ctx.python, "-m", "bench.recovery", "--faults", "kill", "--nproc_per_node", "1", "--seed", "1",
@@ -344,6 +325,7 @@ def part_restart(ctx: Context, box: float) -> Row:
 
 
 def part_determinism(ctx: Context, box: float) -> Row:
+    """:mod:`bench.deterministic`, the step alone, with and without deterministic kernels."""
     cmd = [ctx.python, "-m", "bench.deterministic"]
     rc, r = ctx.result("determinism", cmd + (["--device", "cpu", "--tiny", "--rounds", "2"] if ctx.dry else []), box)
     figures = (
@@ -415,6 +397,7 @@ def part_three(ctx: Context, box: float) -> Row:
 
 
 def part_chaos(ctx: Context, box: float, strategy: str, kind: str, name: str) -> Row:
+    """``lit-ddp chaos`` on the tutorial model under ``strategy``, one ``kind`` fault: its verdict."""
     root = ctx.work / name
     shutil.rmtree(root, ignore_errors=True)
     steps, every = (24, 6) if ctx.dry else (100, 20)
