@@ -1,15 +1,8 @@
-"""What an atomic checkpoint write costs against a plain ``torch.save`` + fsync of the same state: time and peak host
-memory (``make bench-save``). The state: the tutorial GPT (8 x 8 x 512) and its AdamW state after one step, laid out
-as Lightning's checkpoint (about 300 MB). Each write runs in a fresh process, the variants by turns over ``--rounds``,
-into ``--dir`` (default ``runs/bench_save``: the runs' disk; ``/tmp`` may be memory):
-
-- ``torch.save+fsync``: the floor; ``atomic``: :class:`~lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO`
-  (temporary file, fsync, rename, directory fsync); ``buffered``: serialized into memory first, then written
-  atomically; ``async``: :class:`~lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO` until its writer is done.
-
-Printed per variant: the best seconds, their ratio to the floor, and the process's peak resident memory above what it
-held before (``VmHWM`` after a reset, Linux). Targets (issue 26): ``atomic`` within 1.3x of the floor, at most 10 %
-of the checkpoint above the state.
+"""What an atomic checkpoint write costs against ``torch.save`` + fsync of the same state (the tutorial GPT and its
+AdamW state, about 300 MB): best seconds and peak resident memory above the state (``VmHWM``), each write in a fresh
+process, by turns, into ``--dir`` (``runs/bench_save``). Variants: the floor; ``atomic``
+(:class:`~lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO`); ``buffered`` (serialized in memory, then written
+atomically); ``async`` (:class:`~lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO` until its writer is done).
 """
 
 from __future__ import annotations

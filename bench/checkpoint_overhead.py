@@ -1,12 +1,7 @@
-"""What checkpointing every 50 steps costs on the minGPT CPU config: synchronous vs asynchronous writes (``make bench``).
-
-Three variants of one training run in one process (``devices=1``, validation off), by turns over rounds: no step
-checkpoints, ``AtomicCheckpointIO`` and ``AsyncAtomicCheckpointIO``, each saving a step checkpoint and ``last.ckpt``
-every ``--every`` steps. Per variant, as fractions of its training time: **blocked**, the time the loop spent in the
-checkpoint callback (async: the state dump, clones and hand-off), the direct cost; **vs none**, its training time
-against the no-checkpoint variant's, which also catches what the writer thread takes, but is as noisy as the machine.
-``--sharded``: the same under ``configs/trainer/fsdp.yaml`` (FSDP2, AdamW): DCP shards written in the loop (``sync``)
-or through ``async_save`` (``async``).
+"""What checkpointing every 50 steps costs on the minGPT CPU config, sync vs async (``make bench``): no checkpoints,
+``AtomicCheckpointIO`` and ``AsyncAtomicCheckpointIO`` in one process by turns. Per variant: **blocked**, the loop's
+time in the checkpoint callback; **vs none**, its training time against no checkpoints (noisier). ``--sharded``: the
+same under ``configs/trainer/fsdp.yaml``, DCP shards written in the loop or through ``async_save``.
 """
 
 from __future__ import annotations
@@ -18,12 +13,11 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 from bench.harness.callback import StepClock
 from bench.harness.clock import read_clock
 from bench.harness.launch import QUIET, REPO, fit_command
-from bench.harness.measure import alternate, markdown_table
+from bench.harness.measure import alternate, markdown_table, timing
 from lit_ddp.cli import LitDDPCLI
 from lit_ddp.data.sources import DATA_ENV
 
@@ -35,17 +29,6 @@ VARIANTS = {  # the checkpoint IO plugin, or under --sharded FSDP2Strategy's asy
     "sync": ("lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO", "false"),
     "async": ("lit_ddp.resilience.checkpoint_io.AsyncAtomicCheckpointIO", "true"),
 }
-
-
-def _timed(fn: Any, sink: list[float]) -> Any:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            sink.append(time.perf_counter() - t0)
-
-    return wrapper
 
 
 def run_variant(name: str, steps: int, every: int, root: Path, ns: argparse.Namespace) -> dict[str, float]:
@@ -69,29 +52,19 @@ def run_variant(name: str, steps: int, every: int, root: Path, ns: argparse.Name
     cli = LitDDPCLI(args=fit_command(*(str(REPO / c) for c in configs), root=root / name, args=args)[4:], run=False)
     clock = StepClock(str(root / f"{name}.clock"))
     cli.trainer.callbacks.append(clock)
-    blocked: list[float] = []
+    blocked: list[tuple[float, float]] = []  # (start, seconds) of each call
+    saves: list[tuple[float, float]] = []
     ckpt = cli.trainer.checkpoint_callback
-    ckpt.on_train_batch_end = _timed(ckpt.on_train_batch_end, blocked)  # type: ignore[method-assign]
-    saves = [0]
-    save = cli.trainer.save_checkpoint
-
-    def counting_save(*a: Any, **k: Any) -> None:
-        saves[0] += 1
-        save(*a, **k)
-
-    cli.trainer.save_checkpoint = counting_save  # type: ignore[method-assign]
+    ckpt.on_train_batch_end = timing(ckpt.on_train_batch_end, blocked)  # type: ignore[method-assign]
+    cli.trainer.save_checkpoint = timing(cli.trainer.save_checkpoint, saves)  # type: ignore[method-assign]
     t0 = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     total = time.perf_counter() - t0  # includes teardown, i.e. waiting for async writes to finish
     events = read_clock(root / f"{name}.clock")
     # Every call of the checkpoint hook costs a little even when it does not save; the overhead is the hook
     # time above that of the no-checkpoint variant (measured the same way).
-    return {
-        "train": events["end"][0][0] - events["start"][0][0],
-        "fit": total,
-        "blocked": sum(blocked),
-        "saves": saves[0],
-    }
+    train = events["end"][0][0] - events["start"][0][0]
+    return {"train": train, "fit": total, "blocked": sum(s for _, s in blocked), "saves": len(saves)}
 
 
 def _size(path: Path) -> int:

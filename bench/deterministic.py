@@ -1,14 +1,8 @@
-"""What deterministic kernels cost (issue 42): tokens/s with and without them, the two modes by turns, A B B A.
-
-``configs/checkpoint/exact.yaml``'s ``trainer.deterministic: true`` makes Lightning set deterministic algorithms,
-``cudnn.benchmark = False`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set here for both modes: only the algorithms
-differ). Two measures:
-
-- ``--fits`` (``make bench-deterministic``): ``lit-ddp fit`` of ``ddp.yaml`` + ``tutorial.yaml`` on ``--devices`` CPU
-  processes at gpt-mini (6 x 6 x 192), fp32, no validation, ``--trainer.deterministic`` off and on; each fit's median
-  step from its step clock after ``--warmup``; tokens/s = world size x batch x block / that median;
-- the step alone (the GPU check): the tutorial GPT (8 x 8 x 512, context 128, dropout 0.1), 216 random windows made
-  on the device, AdamW of :func:`lit_ddp.recipe.build_optimizer`, bf16 autocast on CUDA, clipping at 1.0.
+"""What deterministic kernels (``configs/checkpoint/exact.yaml``) cost: tokens/s with and without them, by turns
+(``CUBLAS_WORKSPACE_CONFIG`` set for both: only the algorithms differ). ``--fits`` (``make bench-deterministic``):
+``lit-ddp fit`` of ``ddp.yaml`` + ``tutorial.yaml`` on ``--devices`` CPU processes at gpt-mini, each fit's median step
+from its step clock; else the step alone (the GPU check): the tutorial GPT, random windows made on the device, the
+recipe's AdamW, bf16 autocast on CUDA.
 
     python -m bench.deterministic --fits --rounds 1 --steps 12 --warmup 4     # the plumbing of the fits
     python -m bench.deterministic --device cpu --tiny                         # the step's, on a CPU
@@ -21,7 +15,6 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch initializes cuBLAS: both modes use it
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -31,7 +24,8 @@ import torch  # noqa: E402
 
 from bench.harness.clock import read_clock, step_seconds  # noqa: E402
 from bench.harness.launch import QUIET, fit_command, run  # noqa: E402
-from bench.harness.measure import alternate, seconds  # noqa: E402
+from bench.harness.measure import alternate, arguments, seconds, write_json  # noqa: E402
+from bench.harness.ops import train_step  # noqa: E402
 from lit_ddp.models.gpt import GPT, GPTConfig  # noqa: E402
 from lit_ddp.recipe import build_optimizer  # noqa: E402
 
@@ -67,12 +61,7 @@ def step(args: argparse.Namespace) -> Callable[[bool], float]:
     def steps(n: int) -> None:
         for _ in range(n):
             x, y = torch.randint(65, (2, args.batch_size, args.block_size), device=device)  # (B, T) each
-            with autocast:
-                _, loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(model, optimizer, x, y, autocast)
 
     def timed(on: bool) -> float:
         torch.backends.cudnn.benchmark = False  # Trainer(deterministic=on)'s settings, less the workspace
@@ -86,7 +75,7 @@ def step(args: argparse.Namespace) -> Callable[[bool], float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, json_help="also write the result here")
     parser.add_argument("--fits", action="store_true", help="lit-ddp fit on CPU processes, not the step alone")
     parser.add_argument("--devices", type=int, default=2, help="--fits: processes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="the step's")
@@ -94,7 +83,6 @@ def main(argv: list[str] | None = None) -> dict:
         flags = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])  # either spelling
         parser.add_argument(*flags, type=str if name == "model_type" else int)
     parser.add_argument("--tiny", action="store_true", help="the step at gpt-nano, 8 windows of 32, 5 steps")
-    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args(argv)
     defaults = {**FITS} if args.fits else {**STEP, **(TINY if args.tiny else {})}
     for name, value in defaults.items():
@@ -115,8 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
               "ratio": per_s["deterministic"] / per_s["default"]}  # fmt: skip
     print(f"{where}, {args.model_type}, {tokens} tokens a step: default {per_s['default']:,.0f} tokens/s, "
           f"deterministic {per_s['deterministic']:,.0f} tokens/s ({result['ratio']:.3f}x)")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

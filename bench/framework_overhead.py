@@ -1,20 +1,12 @@
-"""What Lightning costs per training step on the main job: ``lit-ddp fit`` against a plain PyTorch DDP loop.
-
-Both sides train the ``configs/mingpt/cpu.yaml`` model on the same batches per step (2 processes, gloo), validation
-and sampling off, for ``--steps`` steps: plain, :mod:`bench.plain_ddp` with the model, optimizer, schedule, context,
-batch and process count read from the same YAMLs; Lightning, ``lit-ddp fit`` with the step clock, in a fresh run
-directory, everything else as the job runs it (logging, the throughput monitor, checkpoint callbacks, the NaN guard,
-the preemption agreement, the progress bar). The two run in turns of ``--slice_s`` seconds
-(:mod:`bench.harness.turns`); a round is a Lightning turn and the plain turn just before it. Printed: the median ratio
-over rounds with its bootstrap 95 % interval, quartiles, min-max, the pooled ratios, and each side's tokens/s and MFU.
+"""What Lightning costs per training step on the main job: ``lit-ddp fit`` against :mod:`bench.plain_ddp` (the
+same model, optimizer, schedule and batches from the same YAMLs; 2 gloo processes, validation and sampling off), in
+turns (:mod:`bench.harness.turns`): the median ratio over rounds and each side's tokens/s and MFU (docs/speed.md).
 
     nice -n 10 .venv/bin/python -m bench.framework_overhead --steps 1000
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
 from dataclasses import fields
@@ -24,8 +16,9 @@ from typing import Any
 import yaml
 
 from bench.harness import turns
+from bench.harness.clock import job_figures
 from bench.harness.launch import NO_VALIDATION, REPO, fit_command, without_samples
-from bench.harness.measure import peak_flops
+from bench.harness.measure import arguments, peak_flops, write_json
 from lit_ddp.models.gpt import GPTConfig
 
 CONFIGS = ("configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml")  # the main job's, in --config order
@@ -56,13 +49,10 @@ def plain_flags(configs: tuple[str, ...] = CONFIGS) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per side")
-    parser.add_argument("--warmup", type=int, default=30, help="first steps of each side left out")
-    parser.add_argument("--slice_s", type=float, default=1.0, help="seconds each side runs before they swap")
-    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before both sides are killed")
+    turns.add_arguments(parser, warmup=30, slice_s=1.0)
     parser.add_argument("--peak_flops", type=float, default=None, help="FLOP/s of one process; default: measured")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("lightning_args", nargs="*", help="extra lit-ddp arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -81,16 +71,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"Lightning / plain step time, turns of {args.slice_s:g} s: {turns.describe(summary)}")
     peak = args.peak_flops or peak_flops(threads=int(summary["job"]["plain"][2]))
     for side in SIDES:
-        tokens, procs, _, flops_per_token = summary["job"][side]
-        step = summary["mean_step_s"][side]
-        mfu = flops_per_token * tokens / step / procs / peak
-        summary[side] = {"mean_step_s": step, "steps_counted": summary["steps_counted"][side],
-                         "tokens_per_s": tokens / step, "mfu": mfu}  # fmt: skip
-        print(f"{side:>9}: {1e3 * step:.1f} ms/step ({summary['steps_counted'][side]} steps counted), "
-              f"{tokens / step:,.0f} tokens/s, MFU {100 * mfu:.1f}% (peak {peak / 1e9:.0f} GFLOP/s per process)")  # fmt: skip
+        s = job_figures(summary["job"][side], summary["mean_step_s"][side], peak)
+        summary[side] = s = {**s, "steps_counted": summary["steps_counted"][side]}
+        print(f"{side:>9}: {1e3 * s['mean_step_s']:.1f} ms/step ({s['steps_counted']} steps counted), "
+              f"{s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% (peak {peak / 1e9:.0f} GFLOP/s per process)")  # fmt: skip
     summary["peak_flops_per_proc"] = peak
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
+    write_json(args.json, summary)
     return summary
 
 

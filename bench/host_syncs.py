@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import statistics
 import sys
@@ -75,13 +76,8 @@ class HostSyncs(AtenOps):
         """Marks every tensor in ``trees`` (nested lists, tuples, dicts) as a device tensor."""
         for tensor in tree_leaves(trees):
             if isinstance(tensor, torch.Tensor):
-                self._device_tensors[id(tensor)] = weakref.ref(tensor, self._forget(id(tensor)))
-
-    def _forget(self, key: int) -> Callable[[Any], None]:
-        def forget(_: Any) -> None:
-            self._device_tensors.pop(key, None)
-
-        return forget
+                forget = functools.partial(lambda key, _: self._device_tensors.pop(key, None), id(tensor))
+                self._device_tensors[id(tensor)] = weakref.ref(tensor, forget)
 
     def on_device(self, tensor: Any) -> bool:
         if not isinstance(tensor, torch.Tensor):

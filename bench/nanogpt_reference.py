@@ -17,17 +17,16 @@ against :func:`bench.harness.measure.peak_flops`.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.harness.launch import process_started_at
+from bench.harness.measure import arguments, write_json
 from lit_ddp.data.sources import read_embedded_text
 from lit_ddp.models.gpt import GPT, GPTConfig
 
@@ -88,7 +87,7 @@ RECIPES: dict[str, dict[str, int | float]] = {
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arguments(__doc__, json_help="also write the evaluations here")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="cpu", help="nanoGPT's CPU or GPU recipe")
     parser.add_argument("--target", type=float, default=None, help="report when val loss first reaches this")
     parser.add_argument("--max_iters", type=int, default=2000, help="iterations (and lr_decay_iters)")
@@ -97,7 +96,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--stop_at_target", action="store_true", help="end at the first evaluation <= --target")
-    parser.add_argument("--json", type=Path, default=None, help="also write the evaluations here")
     parser.add_argument("--device", default=None, help="default: cuda for --recipe gpu, else cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="autocast dtype (default: bfloat16 for --recipe gpu; float32: no autocast)")  # fmt: skip
@@ -208,8 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         "flops_per_token": flops_per_token, "peak_flops": peak, "mfu": mfu,
         "first_interval": list(intervals[0]) if intervals else None,
     }  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

@@ -1,13 +1,9 @@
 """The main job's training step as a plain PyTorch DDP loop: its step time, tokens/s and MFU, no Lightning.
 
-The same work per step as ``configs/mingpt/cpu.yaml`` (:mod:`bench.framework_overhead` passes its values; ``--gpt
-KEY=VALUE`` for other :class:`~lit_ddp.models.gpt.GPTConfig` fields): the job's windows of its train split
-(:class:`~lit_ddp.data.char.CharWindows`) through a ``DistributedSampler``, its optimizer and schedule
-(:mod:`lit_ddp.recipe`), clipping at 1.0; no validation, logging or checkpoints. ``--mode ddp``: ``--procs`` gloo
-processes, ``DDP`` without the buffer broadcast (as ``ddp.yaml``), ``cores // procs`` threads each (as Lightning);
-``single``: one process, ``cores`` threads, the same global batch; ``both``: the two in turns
-(:mod:`bench.harness.turns`), the DDP scaling (tokens/s of ``ddp`` over ``single``). Rank zero writes the step clock;
-MFU = ``GPT.flops_per_token`` x tokens/s per process / the fp32 matmul peak of one process's threads.
+The same work per step as ``configs/mingpt/cpu.yaml`` (:func:`bench.framework_overhead.plain_flags` passes its
+values): its windows, optimizer and schedule (:mod:`lit_ddp.recipe`), clipping at 1.0; no validation, logging or
+checkpoints. ``--mode ddp``: ``--procs`` gloo processes, ``cores // procs`` threads each; ``single``: one process,
+``cores`` threads, the same global batch; ``both``: the two in turns (:mod:`bench.harness.turns`), the DDP scaling.
 
     nice -n 10 .venv/bin/python -m bench.plain_ddp --mode both --steps 300
 """
@@ -15,7 +11,6 @@ MFU = ``GPT.flops_per_token`` x tokens/s per process / the fp32 matmul peak of o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from bench.harness import turns
-from bench.harness.clock import ClockFile, read_clock, step_seconds
-from bench.harness.launch import free_port
-from bench.harness.measure import peak_flops
+from bench.harness.clock import ClockFile, job_figures, read_clock, step_seconds
+from bench.harness.launch import free_port, gloo_group
+from bench.harness.measure import arguments, peak_flops, write_json
+from bench.harness.ops import train_step
 from lit_ddp.data.char import CharWindows, build_vocab, encode
 from lit_ddp.data.sources import read_embedded_text
 from lit_ddp.models.gpt import GPT, GPTConfig
@@ -81,11 +76,7 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
     for step, (x, y) in enumerate(loader):
         if step == args.steps:
             break
-        _, loss = net(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        train_step(net, optimizer, x, y)
         scheduler.step()
         if rank == 0:
             clock.write("step", step + 1, os.getpid())
@@ -93,26 +84,8 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
 
 
 def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, threads: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         train_loop(rank, world, args, threads, args.batch_size)
-    finally:
-        dist.destroy_process_group()
-
-
-def figures(job: tuple[float, ...], step_s: float, peak: float | None) -> dict[str, Any]:
-    """Tokens/s (all processes) and MFU of a step of ``step_s`` seconds, from the clock's ``job`` line."""
-    tokens, procs, threads, flops_per_token = job
-    out = {
-        "procs": int(procs),
-        "threads_per_proc": int(threads),
-        "mean_step_s": step_s,
-        "tokens_per_s": tokens / step_s,
-    }
-    if peak:
-        out.update(peak_flops_per_proc=peak, mfu=flops_per_token * out["tokens_per_s"] / procs / peak)
-    return out
 
 
 def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -127,7 +100,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     events = read_clock(args.clock)
     times = step_seconds(events, args.warmup)
     peak = args.peak_flops or (peak_flops(threads=threads) if args.mfu else None)
-    result = figures(events["job"][0][1:], statistics.mean(times), peak)
+    result = job_figures(events["job"][0][1:], statistics.mean(times), peak)
     return {**result, "median_step_s": statistics.median(times), "steps_counted": len(times)}
 
 
@@ -143,7 +116,7 @@ def both_in_turns(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for mode, job in summary["job"].items():
         peak = args.peak_flops or (peak_flops(threads=int(job[2])) if args.mfu else None)
-        results[mode] = figures(job, summary["mean_step_s"][mode], peak)
+        results[mode] = job_figures(job, summary["mean_step_s"][mode], peak)
         results[mode].update(median_step_s=results[mode]["mean_step_s"], steps_counted=summary["steps_counted"][mode])
         report(mode, results[mode])
     results["ddp_over_single"] = summary["ratio_median"]
@@ -160,7 +133,7 @@ def report(name: str, r: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--mode", choices=["ddp", "single", "both"], default="ddp")
     parser.add_argument("--procs", type=int, default=2, help="DDP processes (the job's trainer.devices)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per measurement")
@@ -180,7 +153,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--peak_flops", type=float, default=None, help="FLOP/s of one process; default: measured")
     parser.add_argument("--no_mfu", dest="mfu", action="store_false", help="skip the matmul peak measurement")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--clock", type=Path, default=None, help="the step clock's file (default: a temporary one)")
     parser.add_argument("--slice_s", type=float, default=1.0, help="--mode both: seconds per turn")
     args = parser.parse_args(argv)
@@ -195,8 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.clock = args.clock or Path(tmp) / "clock.txt"
             results = {args.mode: run(args.mode, args)}
         report(args.mode, results[args.mode])
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return results
 
 

@@ -1,30 +1,21 @@
-"""Time to recover from a fault under torchrun: from the fault to the first optimizer step after it.
+"""Time to recover from a fault under torchrun: from the fault to the first optimizer step after it (docs/
+fault_tolerance.md, "What a restart costs").
 
     python -m bench.recovery [--faults kill hang node] [--timeout 30]      (make bench-recovery)
     python -m bench.recovery --faults kill --nproc_per_node 1 --configs configs/trainer/ddp.yaml \
         configs/mingpt/gpu.yaml --json restart.json                          (the GPU main job: bench.gpu_check)
 
-Runs the README's fault-tolerant regression step (``torchrun --standalone --nproc_per_node 2 --max-restarts 1``,
-a checkpoint every 50 steps; ``--configs``, ``--nproc_per_node`` and fit arguments after ``--``: another job) and,
-3-6 s after training began, injects one fault from outside into a random worker:
-
-- ``kill``: SIGKILL (a crash): the other worker's collective fails at once, torchrun restarts the group;
-- ``node``: two agents of one worker each (c10d rendezvous on this host), the second SIGKILLed with its worker (a lost
-  machine): the rendezvous goes on with one node once the lost agent's heartbeat is 3 ``--keep-alive`` old and
-  ``--last-call`` has passed (torch's defaults 5 s and 30 s); the first agent hosts the store (not replicated);
-- ``hang``: SIGSTOP (a frozen host): the other worker waits out the collective ``--timeout``, then fails; torchrun
-  stops the group (SIGKILL after its 30 s grace) and restarts it.
-
-Every worker writes the step clock. Printed per fault, in seconds: fault to the first step of the restarted group,
-split into fault to the restarted workers' start (detection, timeout, shutdown) and their start to their first step
-(imports, process group, resume); and the steps repeated (done before the fault, after the resumed checkpoint).
+Runs the README's fault-tolerant regression step (``torchrun --standalone --nproc_per_node 2 --max-restarts 1``;
+``--configs``, ``--nproc_per_node`` and fit arguments after ``--``: another job) and, 3-6 s into training, injects one
+fault into a random worker: ``kill`` (SIGKILL), ``node`` (two agents of one worker each on c10d, the second SIGKILLed
+with its worker: a lost machine), ``hang`` (SIGSTOP: the other worker waits out the collective ``--timeout``). Printed
+per fault, from every worker's step clock: seconds to the restarted group's first step, split at the restarted
+workers' start, and the steps repeated.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import random
 import signal
@@ -45,7 +36,7 @@ from bench.harness.launch import (
     fit_command,
     free_port,
 )
-from bench.harness.measure import markdown_table
+from bench.harness.measure import arguments, markdown_table, write_json
 from lit_ddp.chaos.job import workers
 
 CONFIGS = [
@@ -146,7 +137,7 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)  # fit arguments after `--`
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--faults", nargs="+", choices=["kill", "hang", "node"], default=["kill", "hang", "node"])
     parser.add_argument("--timeout", type=int, default=30, help="the DDP collective timeout, seconds (< 60)")
     parser.add_argument("--last-call", type=int, default=30, help="node: the rendezvous' last_call_timeout, seconds")
@@ -154,7 +145,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=None, help="replays the fault moments (printed)")
     parser.add_argument("--configs", nargs="+", default=CONFIGS, help="the job's configs (default: the regression's)")
     parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun workers (kill, hang)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--log", type=Path, default=None, help="the jobs' output, appended (default: discarded)")
     args = parser.parse_args(argv[:split])
     fit_args = argv[split + 1 :]
@@ -176,8 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         results[fault] = r
         row = [fault, *(f"{r[k]:.1f}" for k in ("recovery", "to_restart", "start_to_step")), f"{r['repeated']:.0f}"]
         print(markdown_table(COLUMNS, [row]).splitlines()[-1], flush=True)
-        if args.json:
-            args.json.write_text(json.dumps({"seed": seed, "configs": args.configs, "results": results}, indent=2))
+        write_json(args.json, {"seed": seed, "configs": args.configs, "results": results})
 
 
 if __name__ == "__main__":

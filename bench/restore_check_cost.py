@@ -10,7 +10,6 @@ reads a second time into copies of the live shards (:meth:`lit_ddp.strategies.FS
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bench.harness.launch import free_port
+from bench.harness.launch import gloo_group
 from bench.harness.measure import alternate, save_fsynced, seconds
 from lit_ddp.resilience.restore import capture_rng
 from lit_ddp.resilience.restore_check import first_mismatch, promised, restored
@@ -77,17 +76,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 def sharded(args: argparse.Namespace) -> dict[str, float]:
     """``--sharded``: one process's FSDP2 model and AdamW, ``dcp.save`` timed against the check's second read and
     comparison, through the strategy's own method on a stand-in for the strategy."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
     from lit_ddp.resilience.restore_check import _add, _local
     from lit_ddp.strategies import FSDP2Strategy
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with gloo_group():
         module, model, optimizer = stepped(args.model_type, fully_shard)
         strategy: Any = SimpleNamespace(model=model, optimizers=[optimizer])
         strategy.sharded_state = lambda: FSDP2Strategy.sharded_state(strategy)
@@ -107,8 +102,6 @@ def sharded(args: argparse.Namespace) -> dict[str, float]:
                 took["save"].append(seconds(lambda p=path: dcp.save(strategy.sharded_state(), checkpoint_id=p)))
                 took["check"].append(seconds(lambda p=path: check(p)))
             size = sum(f.stat().st_size for f in path.iterdir())
-    finally:
-        dist.destroy_process_group()
     return report(args, took, module, f"sharded checkpoint {size / 1e6:.0f} MB")
 
 

@@ -1,20 +1,11 @@
-"""The main job's speed in one table: time to a loss against nanoGPT's CPU recipe, Lightning's cost per step, DDP
-scaling and MFU, all measured in one run on this machine (``make bench-speed``, about 15 minutes).
-
-Each figure is a ratio of two runs taken side by side, never an absolute time compared across runs:
-
-1. **time to val/loss** ``--target`` (1.886): :mod:`bench.nanogpt_reference` (nanoGPT's README CPU recipe, stopped at
-   the target) against ``make train`` itself in a fresh run directory, both from process launch to the first
-   evaluation at or below the target (``make train``'s from its step clock); also its wall time to exit and final
-   ``val/loss``; ``--rounds`` alternates the two;
-2. **Lightning vs plain DDP**: :mod:`bench.framework_overhead`;
-3. **DDP scaling**: :mod:`bench.plain_ddp` ``--mode both``;
-4. **MFU**: ``GPT.flops_per_token`` x tokens/s per process over the fp32 matmul peak of one process's threads.
+"""The main job's speed in one table (``make bench-speed``, about 15 minutes; docs/speed.md, "The speed table"), each
+figure a ratio of two runs side by side: time from launch to val/loss ``--target`` of :mod:`bench.nanogpt_reference`
+against ``make train`` (``--rounds`` alternates them), Lightning against plain DDP (:mod:`bench.framework_overhead`),
+DDP scaling (:mod:`bench.plain_ddp` ``--mode both``), MFU against the fp32 matmul peak.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,24 +18,14 @@ from typing import Any
 from bench import framework_overhead, plain_ddp
 from bench.harness.clock import read_clock
 from bench.harness.launch import clock_args, run
-from bench.harness.measure import alternate, fmt, markdown_table, peak_flops
+from bench.harness.measure import alternate, arguments, fmt, markdown_table, peak_flops, write_json
 
 
 def run_reference(target: float, work: Path) -> dict[str, Any]:
     """:mod:`bench.nanogpt_reference` in a subprocess, stopped at ``target``; its JSON record."""
     out = work / "reference.json"
-    run(
-        [
-            sys.executable,
-            "-m",
-            "bench.nanogpt_reference",
-            "--target",
-            str(target),
-            "--stop_at_target",
-            "--json",
-            str(out),
-        ]
-    )
+    run([sys.executable, "-m", "bench.nanogpt_reference", "--target", str(target), "--stop_at_target", "--json",
+         str(out)])  # fmt: skip
     return json.loads(out.read_text())
 
 
@@ -64,13 +45,12 @@ def run_make_train(target: float, work: Path, name: str, extra: list[str]) -> di
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arguments(__doc__, json_help="write every figure here")
     parser.add_argument("--target", type=float, default=1.886, help="val/loss both runs are timed to")
     parser.add_argument("--rounds", type=int, default=1, help="reference / make train pairs, alternating")
     parser.add_argument("--overhead_steps", type=int, default=2000, help="steps per side of bench.framework_overhead")
     parser.add_argument("--steps", type=int, default=600, help="steps per side of the DDP scaling measurement")
     parser.add_argument("--skip", nargs="*", default=[], choices=["time", "overhead", "scaling"])
-    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("train_args", nargs="*", help="extra make train arguments (after --)")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"machine": f"{os.cpu_count()} cores, torch {__import__('torch').__version__}"}
@@ -117,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["peak_flops"] = {"1": peak1, "2": peak2}
         rows.append(("fp32 matmul peak, 1 / 2 threads (GFLOP/s)", f"{peak1 / 1e9:.0f} / {peak2 / 1e9:.0f}", "bench.matmul_peak"))  # fmt: skip
     print(f"\n{results['machine']}\n" + markdown_table(["figure", "value", "note"], rows))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str))
+    write_json(args.json, results)
     return results
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.launch import QUIET, REPO, bench_env, fit_command, process_started_at, run
-from bench.harness.measure import fmt, markdown_table
+from bench.harness.measure import arguments, fmt, markdown_table, timing, write_json
 
 CHOICES: dict[str, bool | str] = {"none": False, "blocks": "blocks", "model": True}  # --compile: GPTModule's
 GPU_JOB = ("configs/trainer/ddp.yaml", "configs/mingpt/gpu.yaml")
@@ -63,23 +63,11 @@ def child(out: Path, args: list[str]) -> None:
     import lit_ddp.cli
 
     imported = time.time()
-    spent: dict[str, float] = {}
+    calls: dict[str, list[tuple[float, float]]] = {part.strip(): [] for part in TIMED}  # (start, seconds)
     marks: dict[str, float] = {}
-
-    def timed(part: str, fn: Any) -> Any:
-        def run(*a: Any, **k: Any) -> Any:
-            t0 = time.time()
-            marks.setdefault(f"{part.strip()} start", t0)
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[part.strip()] = spent.get(part.strip(), 0.0) + time.time() - t0
-
-        return run
-
     for part, (module, cls, method) in TIMED.items():
         owner = getattr(importlib.import_module(module), cls)
-        setattr(owner, method, timed(part, getattr(owner, method)))
+        setattr(owner, method, timing(getattr(owner, method), calls[part.strip()]))
 
     class Marks(Callback):
         steps: list[tuple[int, float, float]] = []  # (global step, start, end)
@@ -105,7 +93,7 @@ def child(out: Path, args: list[str]) -> None:
             marks["sanity start"] = time.time()
 
         def on_sanity_check_end(self, trainer: Any, pl_module: Any) -> None:
-            spent["sanity check"] = time.time() - marks["sanity start"]
+            calls["sanity check"] = [(marks["sanity start"], time.time() - marks["sanity start"])]
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
             Marks.steps.append((trainer.global_step + 1, time.time(), 0.0))
@@ -130,9 +118,8 @@ def child(out: Path, args: list[str]) -> None:
     step_s = statistics.median(later) if later else steps[-1][2] - steps[-1][1]
     batches = val["batches"]
     batch_s = statistics.median(b - a for a, b in zip(batches, [*batches[1:], val["loop_end"]], strict=True))
-    parts = {"imports": imported - launched, "config and CLI": marks["process group start"] - imported}
-    parts |= {k: spent.get(k, 0.0) for k in ("process group", "data", "model build", "strategy set-up")}
-    parts["sanity check"] = spent.get("sanity check", 0.0)
+    parts = {"imports": imported - launched, "config and CLI": calls["process group"][0][0] - imported}
+    parts |= {k: sum(s for _, s in calls.get(k, [])) for k in PARTS[2:7]}
     parts["first step"] = first_end - first_start
     parts["other"] = first_start - launched - sum(v for k, v in parts.items() if k != "first step")
     result = {
@@ -159,7 +146,7 @@ def pace(choices: list[str], batch_size: int, rounds: int, device: str = "cpu") 
     import torch
 
     from bench.harness.measure import alternate, seconds
-    from bench.harness.ops import VOCAB, gpu_yaml_model
+    from bench.harness.ops import VOCAB, gpu_yaml_model, train_step
     from lit_ddp.callbacks.batched_step import batch_optimizer_step
 
     sync = torch.cuda.synchronize if device == "cuda" else None
@@ -169,14 +156,7 @@ def pace(choices: list[str], batch_size: int, rounds: int, device: str = "cpu") 
         optimizer = batch_optimizer_step(built)
         x = torch.randint(0, len(VOCAB), (batch_size, module.hparams["block_size"]), device=device)
 
-        def step() -> None:
-            with torch.autocast(device, dtype=torch.bfloat16):
-                _, loss = module(x, x)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        step = functools.partial(train_step, module, optimizer, x, x, torch.autocast(device, dtype=torch.bfloat16))
         step()  # compiles
         return step
 
@@ -215,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     if argv[:1] == ["--child"]:
         child(Path(argv[1]), argv[3:])
         return {}
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, raw=True)
     parser.add_argument("--compile", nargs="+", choices=list(CHOICES), default=list(CHOICES))
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--batch_size", type=int, default=4, help="sequences of 256 tokens per step")
@@ -223,7 +203,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--steps_to_target", type=int, default=STEPS_TO_TARGET)
     parser.add_argument("--rounds", type=int, default=5, help="training steps of each choice by turns, for the pace")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for each fit")
-    parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
     results = {c: measure(c, args) for c in args.compile}
     device = "cuda" if args.accelerator == "gpu" else "cpu"
@@ -246,8 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
              ["validation interval costing least to see 1.4697, steps",
               *(fmt(r["best_interval"], ".0f") for r in results.values())]]  # fmt: skip
     print(markdown_table(["compile:", *results], rows))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    write_json(args.json, results)
     return results
 
 

@@ -18,7 +18,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 FIELDS = {"start": 3, "job": 5, "step": 3, "val": 3, "tput": 4, "end": 2}  # after the kind, the time included
 Events = dict[str, list[tuple[float, ...]]]
@@ -72,6 +72,21 @@ def read_clock(path: Path | str) -> Events:
                     events["span"].append((last[0], event[0]))
                 last = event if kind == "step" else None if kind in ("val", "start") else last
     return events
+
+
+def job_figures(job: tuple[float, ...], step_s: float, peak: float | None = None) -> dict[str, Any]:
+    """Tokens/s (all processes) and, with ``peak`` (one process's FLOP/s), MFU of a step of ``step_s`` seconds, from
+    the fields of a ``job`` line."""
+    tokens, procs, threads, flops_per_token = job
+    out = {
+        "procs": int(procs),
+        "threads_per_proc": int(threads),
+        "mean_step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+    }
+    if peak:
+        out.update(peak_flops_per_proc=peak, mfu=flops_per_token * out["tokens_per_s"] / procs / peak)
+    return out
 
 
 def step_seconds(events: Events, warmup: int = 0) -> list[float]:

@@ -2,12 +2,15 @@
 
 :func:`alternate` runs variants by turns, round after round, each round starting one variant later (A B, then B A),
 so that a neighbour's load falls on all alike; the caller takes the median (or the best) of each variant's list.
+Every script's parser comes from :func:`arguments`, its ``--json`` written by :func:`write_json`.
 :func:`peak_flops` is the figure MFU is reported against: a GPU's from the throughput callback's table (one source
 with the training job's MFU), a CPU's measured here (fp32 matmuls with the threads one process has).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +39,19 @@ def seconds(fn: Callable[[], Any], sync: Callable[[], Any] | None = None) -> flo
     if sync:
         sync()
     return time.perf_counter() - t0
+
+
+def timing(fn: Callable[..., T], calls: list[tuple[float, float]]) -> Callable[..., T]:
+    """``fn`` appending ``(start, seconds)`` of each call to ``calls`` (the start from ``time.time()``)."""
+
+    def timed(*args: Any, **kwargs: Any) -> T:
+        start, t0 = time.time(), time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            calls.append((start, time.perf_counter() - t0))
+
+    return timed
 
 
 def matmul_flops(n: int, min_time: float = 0.5) -> float:
@@ -78,6 +94,24 @@ def save_fsynced(state: Any, path: Path) -> None:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def arguments(
+    doc: str | None, raw: bool = False, json_help: str = "also write the results here"
+) -> argparse.ArgumentParser:
+    """A benchmark's parser: described by ``doc``'s first line (``raw``: all of it, as written), with ``--json``."""
+    if raw:
+        parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    else:
+        parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    parser.add_argument("--json", type=Path, default=None, help=json_help)
+    return parser
+
+
+def write_json(path: Path | None, results: Any) -> None:
+    """Writes ``results`` as JSON into ``path`` (``--json``), where given."""
+    if path:
+        path.write_text(json.dumps(results, indent=2, default=str))
 
 
 def fmt(value: float | None, spec: str = ".1f", none: str = "-") -> str:

@@ -1,9 +1,10 @@
-"""Counting on a CPU what a GPU step would launch: :class:`AtenOps` (an eager aten op is about one CUDA kernel launch)
-and :func:`gpu_yaml_model`, ``configs/mingpt/gpu.yaml``'s model and its recipe's optimizer, outside a fit."""
+"""Training steps outside a fit: :class:`AtenOps` counts their aten ops (an eager one is about one CUDA kernel
+launch), :func:`train_step` is the recipe's step, :func:`gpu_yaml_model` gpu.yaml's model and its optimizer."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any
 
 import torch
@@ -42,6 +43,16 @@ class AtenOps(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+
+def train_step(model: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor, autocast: Any = None) -> None:
+    """One step of the recipe: forward (under ``autocast``, where given), backward, clipping at 1.0, the optimizer."""
+    with autocast or contextlib.nullcontext():
+        _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def gpu_yaml_model(compile: bool | str = False, device: str = "cpu") -> tuple[Any, torch.optim.Optimizer]:

@@ -1,11 +1,7 @@
-"""How often ``lit-ddp chaos --calibrated K`` fails a run that is as good as a rerun: the K to choose (answered in
-docs/fault_tolerance.md and :mod:`lit_ddp.chaos.calibrated`).
-
-Trains ``--runs`` uninterrupted fits of the calibrated chaos test's minGPT (dropout on, gradient noise from the OS
-standing in for a GPU's fast kernels: ``tests.callbacks.GradientNoise``), then treats every run as a "faulted" run
-against every pair of others (first, second): that run is no worse than a rerun, so any verdict of DIFFERENT is a
-false alarm. Prints, over all such triples, the largest per-step parameter ratio and loss-RMS ratio and how many
-triples each K would fail.
+"""How often ``lit-ddp chaos --calibrated K`` fails a run as good as a rerun: the K to choose (answered in
+docs/fault_tolerance.md). Trains ``--runs`` uninterrupted fits of the calibrated chaos test's minGPT (gradient noise
+standing in for a GPU's fast kernels), then treats each run as "faulted" against every pair of others: any DIFFERENT
+is a false alarm. Prints the largest per-step parameter and loss-RMS ratios and how many triples each K would fail.
 
     python -m bench.studies.chaos_spread --runs 20    # about 3 minutes here (make bench-chaos-spread)
 """

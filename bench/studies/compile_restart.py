@@ -1,9 +1,7 @@
-"""What torch.compile's on-disk caches save a restart (issue 44; answered in docs/speed.md, "Restarts and the compile
-cache"): the compiled main job (``configs/mingpt/cpu.yaml``, ``--model.init_args.compile true``) on 2 processes under
-``torchrun --max-restarts 1``, a worker SIGKILLed 3-6 s into training, from the kill to the first optimizer step after
-it (:func:`bench.recovery.measure`), with torch's caches (Inductor's FX graph and AOTAutograd caches in a fresh
-``TORCHINDUCTOR_CACHE_DIR``: the first launch fills it, the restart reads it) and without
-(``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``), side by side.
+"""What torch.compile's on-disk caches save a restart (answered in docs/speed.md, "Restarts and the compile cache"):
+the compiled main job on 2 processes under torchrun, a worker SIGKILLed 3-6 s into training, kill to the first step
+after it (:func:`bench.recovery.measure`), with Inductor's caches in a fresh ``TORCHINDUCTOR_CACHE_DIR`` and without
+(``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``).
 
     python -m bench.studies.compile_restart          # about 3 minutes here (make bench-compile-restart)
 """
