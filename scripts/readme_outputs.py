@@ -106,9 +106,10 @@ def resolve(command: str) -> str:
     if words[0] != "make":
         return command
     bin_dir = REPO / ".venv" / "bin"
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "CONFIGS")}
+    # Under a parent make (`make test`), MAKELEVEL would have this one print "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "CONFIGS")}
     dry = subprocess.run(
-        ["make", "-n", "-o", f"{bin_dir}/.installed", *words[1:], f"BIN={bin_dir}"],
+        ["make", "--no-print-directory", "-n", "-o", f"{bin_dir}/.installed", *words[1:], f"BIN={bin_dir}"],
         cwd=REPO, env=env, capture_output=True, text=True,
     )  # fmt: skip
     if dry.returncode != 0:
@@ -271,9 +272,11 @@ SHOWN: dict[str, Callable[[list[str]], list[str]]] = {
     "quickstart": picker(r"^last validation:", r"^best ", r"^last checkpoint:", after="sample:"),
     "generate": picker(r"."),
     "step1": picker(r"^Seed set", r"^GPU available", *SUMMARY, last=(FINAL_BAR,)),
-    "step2": picker(r"Seed set", r"^GPU available", r"^Initialized distributed", *SUMMARY, last=(FINAL_BAR,)),
+    "step2": picker(
+        r"Seed set", r"^GPU available", r"^distributed_backend", r"Starting with", *SUMMARY, last=(FINAL_BAR,)
+    ),
     "step3": picker(
-        r"^Initialized distributed",
+        r"^distributed_backend",
         r"closing signal",
         r"failed \(exitcode",
         r"^Resuming from",
@@ -290,7 +293,7 @@ SHOWN: dict[str, Callable[[list[str]], list[str]]] = {
         *SUMMARY,
         last=(FINAL_BAR,),
     ),
-    "step5": picker(r"^Initialized distributed", r"\| model +\| GPT", r"Total params", SUMMARY[0], last=(FINAL_BAR,)),
+    "step5": picker(r"^distributed_backend", r"\| model +\| GPT", r"Total params", SUMMARY[0], last=(FINAL_BAR,)),
 }
 # Lines shown but not compared: a text sample, drawn from probabilities that another CPU's float rounding moves.
 UNCOMPARED = {"quickstart": "sample:", "generate": ""}

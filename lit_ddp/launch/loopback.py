@@ -17,6 +17,7 @@ loopback interface for gloo and NCCL.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 from collections.abc import MutableMapping
@@ -30,6 +31,7 @@ from torch.distributed.constants import default_pg_timeout
 from lit_ddp import compat
 
 LOOPBACK = "127.0.0.1"
+_lightning_log = logging.getLogger("lightning.fabric.utilities.distributed")  # where Lightning logs the same lines
 
 
 def is_loopback(address: str | None) -> bool:
@@ -133,6 +135,8 @@ def init_process_group(strategy: Any) -> bool:
     backend = compat.process_group_backend(strategy)
     timeout = compat.strategy_timeout(strategy)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(port)  # as Lightning sets them
+    # Lightning's own lines, which operators and log readers look for ("Starting with N processes").
+    _lightning_log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     device = strategy.root_device
     dist.init_process_group(
         backend,
@@ -146,7 +150,10 @@ def init_process_group(strategy: Any) -> bool:
         import atexit
 
         atexit.register(_destroy)
-    rank_zero_info(f"Initialized distributed on loopback ({LOOPBACK}:{port}): {world_size} processes, {backend}")
+    rank_zero_info(
+        f"{'-' * 100}\ndistributed_backend={backend} (on loopback: {LOOPBACK}:{port})\n"
+        f"All distributed processes registered. Starting with {world_size} processes\n{'-' * 100}\n"
+    )
     return True
 
 
