@@ -1,23 +1,31 @@
-"""What FSDP2 saves and costs against DDP (``make bench-fsdp``, about 12 minutes here; docs/fsdp.md): bytes of
-parameters, gradients and AdamW state a step leaves per rank (a DTensor: its local shard) for the tutorial's GPT under
-DDP and FSDP2 (:func:`lit_ddp.models.parallelize.shard`, a unit per block) on 1 and 2 gloo processes; then the step
-time of ``lit-ddp fit`` with ``fsdp.yaml`` over ``ddp.yaml`` (the main job with AdamW, validation and sampling off,
-2 processes) in turns (:mod:`bench.harness.turns`), for gpt-nano and the tutorial's size.
+"""What FSDP2 saves and costs against DDP (``make bench-fsdp``, about 12 minutes here): bytes per rank, then step time.
+
+1. **Memory**: the bytes of parameters, gradients and AdamW state a step leaves held per rank (a DTensor: its local
+   shard), for the tutorial's GPT (8 x 8 x 512, block 128) under DDP and FSDP2 on 1 and 2 gloo processes, with the
+   product's pieces (:func:`lit_ddp.recipe.build_optimizer`, :func:`lit_ddp.models.parallelize.shard`, a unit per
+   block); not counted: activations, DDP's gradient buckets, the block FSDP2 holds gathered while it computes.
+2. **Step time**: ``lit-ddp fit`` with ``configs/trainer/fsdp.yaml`` over ``ddp.yaml`` (the main job with AdamW,
+   validation and sampling off, 2 processes) in turns (:mod:`bench.harness.turns`), for gpt-nano and the tutorial's
+   size (batch 4 per process, a step near a second).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 from bench.harness import turns
-from bench.harness.launch import NO_VALIDATION, QUIET, fit_command, free_port, gloo_group, without_samples
-from bench.harness.measure import arguments, markdown_table, write_json
+from bench.harness.launch import NO_VALIDATION, QUIET, fit_command, free_port, without_samples
+from bench.harness.measure import markdown_table
 from lit_ddp.models.gpt import GPT, Block, GPTConfig
 from lit_ddp.models.parallelize import shard
 from lit_ddp.recipe import build_optimizer
@@ -43,8 +51,39 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     }
 
 
+class CollectiveCounter:
+    """Counts the collectives FSDP2 issues, by wrapping the two functions it calls (``dist.all_gather_single``,
+    ``dist.reduce_scatter_single``) while the block runs: calls and bytes of each call's output, per kind."""
+
+    NAMES = ("all_gather_single", "reduce_scatter_single")
+
+    def __init__(self) -> None:
+        self.calls = {name: 0 for name in self.NAMES}
+        self.bytes = {name: 0 for name in self.NAMES}
+
+    def __enter__(self) -> CollectiveCounter:
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name, real in self.saved.items():
+            setattr(dist, name, self._counting(name, real))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self.saved.items():
+            setattr(dist, name, real)
+
+    def _counting(self, name: str, real: Any) -> Any:
+        def call(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            self.bytes[name] += output.numel() * output.element_size()
+            return real(output, *args, **kwargs)
+
+        return call
+
+
 def _memory_worker(rank: int, world_size: int, strategy: str, port: int, out: Any) -> None:
-    with gloo_group(rank, world_size, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
         torch.manual_seed(0)
         model: nn.Module = GPT(GPTConfig.from_preset("tutorial", vocab_size=VOCAB_SIZE, block_size=128))
         if strategy == "fsdp":
@@ -56,19 +95,26 @@ def _memory_worker(rank: int, world_size: int, strategy: str, port: int, out: An
             trained = nn.parallel.DistributedDataParallel(model)
         optimizer = build_optimizer(model, "adamw")
         idx = torch.randint(0, VOCAB_SIZE, (2, 128), generator=torch.Generator().manual_seed(rank))  # (B, T)
-        _, loss = trained(idx, idx)
-        loss.backward()
+        with CollectiveCounter() as counter:
+            _, loss = trained(idx, idx)
+            loss.backward()
         optimizer.step()
-        out.put((rank, held_bytes(model, optimizer)))
+        out.put((rank, {"held": held_bytes(model, optimizer), "calls": counter.calls, "bytes": counter.bytes}))
+    finally:
+        dist.destroy_process_group()
 
 
-def measure(strategy: str, world_size: int) -> dict[str, int]:
-    """Rank zero's :func:`held_bytes` for one strategy and size (every rank holds as much, to the shards' padding)."""
+def measure(strategy: str, world_size: int) -> dict[str, Any]:
+    """Rank zero's figures for one strategy and size: ``held`` bytes (every rank holds as much, to the shards'
+    padding), and the ``calls`` and output ``bytes`` of FSDP2's all-gathers and reduce-scatters in one step."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    args = (world_size, strategy, free_port(), out)
-    mp.start_processes(_memory_worker, args=args, nprocs=world_size, start_method="spawn")
-    return dict(out.get() for _ in range(world_size))[0]
+    mp.start_processes(
+        _memory_worker, args=(world_size, strategy, free_port(), out), nprocs=world_size,
+        start_method="spawn",
+    )  # fmt: skip
+    found = dict(out.get() for _ in range(world_size))
+    return found[0]
 
 
 def step_time_ratio(size: str, steps: int, warmup: int, slice_s: float, timeout: float) -> dict[str, Any]:
@@ -89,12 +135,15 @@ def step_time_ratio(size: str, steps: int, warmup: int, slice_s: float, timeout:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = arguments(__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per side, gpt-nano")
     parser.add_argument("--tutorial_steps", type=int, default=120, help="optimizer steps per side, tutorial size")
-    turns.add_arguments(parser, warmup=10, slice_s=2.0)
+    parser.add_argument("--warmup", type=int, default=10, help="first steps of each side left out")
+    parser.add_argument("--slice_s", type=float, default=2.0, help="seconds each side runs before they swap")
     parser.add_argument("--tutorial_slice_s", type=float, default=12.0, help="the same at the tutorial's size")
     parser.add_argument("--parts", nargs="+", default=["memory", "gpt-nano", "tutorial"], help="what to measure")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before both sides are killed")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
 
     figures: dict[str, Any] = {"memory": {}, "step_time": {}}
@@ -108,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary = step_time_ratio(size, steps, args.warmup, slice_s, args.timeout)
             figures["step_time"][size] = summary
             print(f"{size}: FSDP2 / DDP step time, 2 processes, turns of {slice_s:g} s: {turns.describe(summary)}")
-    write_json(args.json, figures)
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1, default=str))
     return figures
 
 
@@ -117,7 +167,7 @@ def print_memory(figures: dict[str, Any]) -> None:
     rows = []
     for strategy in SIDES:
         for world_size in (1, 2):
-            held = measure(strategy, world_size)
+            held = measure(strategy, world_size)["held"]
             figures["memory"][f"{strategy}-{world_size}"] = {**held, "total": sum(held.values())}
             rows.append(
                 [strategy, world_size, *(f"{v:,d}" for v in figures["memory"][f"{strategy}-{world_size}"].values())]
