@@ -7,13 +7,12 @@ median of ``--reps`` steps by turns.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Callable
 
 import torch
 
-from bench.harness.measure import alternate, markdown_table, seconds
+from bench.harness.measure import alternate, arguments, markdown_table, seconds, write_json
 from bench.harness.ops import VOCAB, AtenOps, gpu_yaml_model
 from lit_ddp.callbacks.batched_step import batch_optimizer_step
 
@@ -37,11 +36,12 @@ class Job:
     """gpu.yaml's model and one choice of optimizer, from the same seed."""
 
     def __init__(self, variant: Callable[[torch.optim.Optimizer], torch.optim.Optimizer], batch: torch.Tensor) -> None:
-        module, optimizer = gpu_yaml_model()
+        module, optimizer = gpu_yaml_model(device=batch.device.type)
         self.model, self.optimizer, self.batch = module.model, variant(optimizer), batch
+        self.sync = torch.cuda.synchronize if batch.is_cuda else None
 
     def forward_backward(self) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(self.batch.device.type, dtype=torch.bfloat16):
             _, loss = self.model(self.batch, self.batch)
         loss.backward()
 
@@ -61,16 +61,18 @@ class Job:
 
     def time(self) -> tuple[float, float]:
         """Milliseconds of (the optimizer step, the training step)."""
-        backward, step = seconds(self.forward_backward), seconds(self.optimizer_step)
+        backward, step = seconds(self.forward_backward, self.sync), seconds(self.optimizer_step, self.sync)
         return step * 1e3, (backward + step) * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, raw=True)
     parser.add_argument("--reps", type=int, default=5, help="timed steps of each optimizer, taken by turns")
     parser.add_argument("--batch_size", type=int, default=4, help="sequences of 256 tokens per training step")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the same counts and the GPU's ms")
     args = parser.parse_args(argv)
     batch = torch.randint(0, len(VOCAB), (args.batch_size, 256), generator=torch.Generator().manual_seed(0))
+    batch = batch.to(args.device)
     jobs = {name: Job(variant, batch) for name, variant in VARIANTS.items()}
     results: dict[str, dict[str, float]] = {}
     for name, job in jobs.items():
@@ -81,13 +83,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for name, measured in alternate({name: job.time for name, job in jobs.items()}, args.reps).items():
         results[name]["optimizer_ms"] = statistics.median(t[0] for t in measured)
         results[name]["training_ms"] = statistics.median(t[1] for t in measured)
-    print(f"gpu.yaml's model on this CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, batch "
+    where = torch.cuda.get_device_name() if batch.is_cuda else f"this CPU, {torch.get_num_threads()} threads"
+    print(f"gpu.yaml's model on {where}: torch {torch.__version__}, batch "
           f"{args.batch_size} x 256, bf16 autocast, median of {args.reps}")  # fmt: skip
     rows = [("aten ops per optimizer step", "optimizer_ops", "{:.0f}"),
             ("aten ops per training step", "training_ops", "{:.0f}"),
             ("optimizer step ms", "optimizer_ms", "{:.1f}"), ("training step ms", "training_ms", "{:.1f}")]  # fmt: skip
     lines = [[label, *(spec.format(r[key]) for r in results.values())] for label, key, spec in rows]
     print(markdown_table(["", *results], lines, align="---:"))
+    write_json(args.json, results)
     return results
 
 

@@ -17,13 +17,14 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.launch import QUIET, REPO, bench_env, fit_command, process_started_at, run
+from bench.harness.launch import QUIET, REPO, bench_env, fit_command, process_started_at
 from bench.harness.measure import arguments, fmt, markdown_table, timing, write_json
 
 CHOICES: dict[str, bool | str] = {"none": False, "blocks": "blocks", "model": True}  # --compile: GPTModule's
@@ -173,10 +174,16 @@ def measure(compile: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "startup.json"
         fit = fit_args(compile, args.accelerator, args.batch_size, args.steps, str(Path(tmp) / "run"))
-        env = bench_env(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"))  # a cold compile
+        # A cold compile; torch's log of each recompilation (its first validation must cause none: issue 52)
+        env = bench_env(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"), TORCH_LOGS="recompiles")
         env.setdefault("OMP_NUM_THREADS", "1")
-        run([sys.executable, "-m", "bench.startup", "--child", str(out), "--", *fit], args.timeout, env=env)
-        return json.loads(out.read_text())
+        cmd = [sys.executable, "-m", "bench.startup", "--child", str(out), "--", *fit]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(out.read_text())
+        result["recompiles"] = [line for line in done.stderr.splitlines() if "Recompiling" in line]
+        return result
 
 
 def estimate(result: dict[str, Any], step_s: float, steps_to_target: int) -> None:
@@ -223,8 +230,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
               *(fmt(r["validation_steps"], ".1f") for r in results.values())],
              ["its text sample (200 tokens)", *(fmt(r["validation_sample_s"], ".1f") for r in results.values())],
              ["validation interval costing least to see 1.4697, steps",
-              *(fmt(r["best_interval"], ".0f") for r in results.values())]]  # fmt: skip
+              *(fmt(r["best_interval"], ".0f") for r in results.values())],
+             ["recompilations (TORCH_LOGS=recompiles; its first validation included)",
+              *(str(len(r["recompiles"])) for r in results.values())]]  # fmt: skip
     print(markdown_table(["compile:", *results], rows))
+    for choice, r in results.items():
+        for line in r["recompiles"]:
+            print(f"{choice}: {line.strip()}")
     write_json(args.json, results)
     return results
 
