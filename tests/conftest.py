@@ -174,3 +174,19 @@ def tiny_text(tmp_path: Path) -> Path:
     path = tmp_path / "tiny.txt"
     path.write_text(read_embedded_text()[:6000])
     return path
+
+
+@pytest.fixture
+def no_big_gpt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails a test that builds a GPT of more than 8 blocks or width 1024 anywhere but on the meta device: what a
+    crafted checkpoint's hyperparameters would make ``generate`` or ``fit --ckpt_path`` allocate (petabytes)."""
+    from lit_ddp.models.gpt import GPT, GPTConfig
+
+    real = GPT.__init__
+
+    def guarded(self: GPT, config: GPTConfig) -> None:
+        if torch.empty(0).device.type != "meta" and (config.n_layer > 8 or config.n_embd > 1024):
+            raise AssertionError(f"a {config} built with memory")
+        real(self, config)
+
+    monkeypatch.setattr(GPT, "__init__", guarded)

@@ -39,6 +39,18 @@ def set_grads(params: list[torch.Tensor], gen: torch.Generator) -> None:
         p.grad = torch.randn(p.shape, generator=gen)
 
 
+def step_both(
+    ours: Any, reference: Any, mine: list[torch.Tensor], torchs: list[torch.Tensor], seed: int, steps: int
+) -> None:
+    """``steps`` steps of both optimizers, each on the same gradients drawn from ``seed + 1``."""
+    gen, gen_torch = torch.Generator().manual_seed(seed + 1), torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        set_grads(mine, gen)
+        set_grads(torchs, gen_torch)
+        ours.step()
+        reference.step()
+
+
 def assert_same_updates(mine: list[torch.Tensor], torchs: list[torch.Tensor], start: list[torch.Tensor]) -> None:
     """Each matrix moved as torch's did within bf16 rounding: a bf16 ulp (2**-7) of its movement, in norm. On this
     CPU the wide and square ones move bit for bit; a tall one's Newton-Schulz runs on another memory layout than
@@ -59,12 +71,7 @@ def test_updates_are_torch_muons(seed: int, nesterov: bool, weight_decay: float,
     start = [p.detach().clone() for p in mine]
     ours = BatchedMuon(mine, adjust_lr_fn=adjust_lr_fn, **settings)
     reference = torch.optim.Muon(torchs, adjust_lr_fn=adjust_lr_fn, **settings)
-    gen, gen_torch = torch.Generator().manual_seed(seed + 1), torch.Generator().manual_seed(seed + 1)
-    for _ in range(4):
-        set_grads(mine, gen)
-        set_grads(torchs, gen_torch)
-        ours.step()
-        reference.step()
+    step_both(ours, reference, mine, torchs, seed, steps=4)
     for a, b in zip(mine, torchs, strict=True):
         assert torch.equal(ours.state[a]["momentum_buffer"], reference.state[b]["momentum_buffer"])
     assert_same_updates(mine, torchs, start)
@@ -74,12 +81,7 @@ def test_updates_are_torch_muons_at_the_gpu_jobs_sizes(seed: int) -> None:
     mine, torchs = matrices(GPU_SHAPES, seed), matrices(GPU_SHAPES, seed)
     start = [p.detach().clone() for p in mine]
     ours, reference = BatchedMuon(mine, lr=0.02, weight_decay=0.0), torch.optim.Muon(torchs, lr=0.02, weight_decay=0.0)
-    gen, gen_torch = torch.Generator().manual_seed(seed + 1), torch.Generator().manual_seed(seed + 1)
-    for _ in range(2):
-        set_grads(mine, gen)
-        set_grads(torchs, gen_torch)
-        ours.step()
-        reference.step()
+    step_both(ours, reference, mine, torchs, seed, steps=2)
     assert_same_updates(mine, torchs, start)
 
 

@@ -12,7 +12,6 @@ import torch
 
 from lit_ddp.errors import UsageError
 from lit_ddp.launch.model_size import check_model_fits, state_shapes
-from lit_ddp.models.gpt import GPT, GPTConfig
 from lit_ddp.tasks.mingpt import GPTModule
 from tests.helpers import QUIET, TEST_DATA, compose, usage_error
 
@@ -26,19 +25,6 @@ def crafted(tmp_path: Path, **hparams: object) -> Path:
     path = tmp_path / "crafted.ckpt"
     torch.save(checkpoint, path)
     return path
-
-
-@pytest.fixture
-def no_big_gpt(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fails a test that builds a GPT of more than 8 blocks or width 1024 anywhere but on the meta device."""
-    real = GPT.__init__
-
-    def guarded(self: GPT, config: GPTConfig) -> None:
-        if torch.empty(0).device.type != "meta" and (config.n_layer > 8 or config.n_embd > 1024):
-            raise AssertionError(f"a {config} built with memory")
-        real(self, config)
-
-    monkeypatch.setattr(GPT, "__init__", guarded)
 
 
 @pytest.mark.parametrize("command", ["validate", "fit"])
