@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-save bench-fsdp bench-gpu bench-deterministic bench-restore bench-chaos-spread bench-compile-restart bench-launches bench-syncs bench-startup clean \
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-fsdp bench-gpu bench-deterministic bench-launches bench-syncs bench-startup clean \
 	step1 step2 step3 step4 step5 notebooks
 
 $(BIN)/.installed: pyproject.toml
@@ -104,20 +104,6 @@ bench-recovery: venv
 bench-deterministic: venv
 	$(BIN)/python -m bench.deterministic --fits --rounds 4 $(BENCH_ARGS)
 
-# What the restore check costs a resume of the tutorial-size GPT, beside the save it guards (about a minute).
-bench-restore: venv
-	$(BIN)/python -m bench.restore_check_cost $(BENCH_ARGS)
-
-# How often lit-ddp chaos --calibrated K fails a run as good as a rerun, for each K: uninterrupted noisy runs
-# judged against each other (about 3 minutes for 20 runs).
-bench-chaos-spread: venv
-	$(BIN)/python -m bench.studies.chaos_spread $(BENCH_ARGS)
-
-# A restart of the compiled main job (2 processes, torchrun, a worker killed) with and without torch.compile's
-# on-disk caches, side by side (about 3 minutes).
-bench-compile-restart: venv
-	$(BIN)/python -m bench.studies.compile_restart $(BENCH_ARGS)
-
 # The GPU main job's kernel launches counted on this CPU: aten ops and ms per optimizer step and per training step of
 # gpu.yaml's model, torch's Muon against BatchedMuon (about a minute).
 bench-launches: venv
@@ -155,9 +141,6 @@ bench-gpu-speed: $(BENCH_GPU_DEPS)
 
 bench-gpu-path: $(BENCH_GPU_DEPS)
 	BENCH_GPU_PARTS=path $(BENCH_GPU_PYTHON) -m bench.gpu_check
-
-bench-save: venv
-	$(BIN)/python -m bench.atomic_save $(BENCH_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -84,16 +83,6 @@ def peak_flops(device: Any = "cpu", precision: str = "32-true", threads: int | N
         return max(matmul_flops(n, min_time=0.2) for n in (256, 512, 1024))
     finally:
         torch.set_num_threads(before)
-
-
-def save_fsynced(state: Any, path: Path) -> None:
-    """``torch.save`` into ``path``, flushed and fsynced: the floor a checkpoint write is measured against."""
-    import torch
-
-    with path.open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def arguments(

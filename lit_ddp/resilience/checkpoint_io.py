@@ -34,7 +34,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Here a local file is serialized straight into a hidden temporary file in the target's own directory
     (``.NAME.XXXX.tmp``, which no ``*.ckpt`` glob matches; no second copy of the checkpoint in memory: at
-    most a few MB above the state, ``make bench-save``), fsynced, and renamed over the target with
+    most a few MB above the state, docs/fault_tolerance.md, "Atomic saves"), fsynced, and renamed over the target with
     ``os.replace`` (atomic on POSIX); the directory is fsynced too. Temporary files left by killed writers of
     the same target are removed by the next successful save. An object store (``s3://``, ``gs://``, ...) gets
     one ``pipe`` (a single or multipart upload, which only becomes visible once complete); any other remote

@@ -17,7 +17,7 @@ shows there. Tensors bit for bit
 (``torch.equal``), other values by ``==``.
 
 It reads the checkpoint Lightning has loaded anyway (a sharded one a second time), so a save costs nothing more;
-a resume costs one pass over the state (``bench/restore_check_cost.py``). Lightning and torch's distributed checkpoint
+a resume costs one pass over the state (docs/fault_tolerance.md, "What is saved"). Lightning and torch's distributed checkpoint
 load without comparing.
 """
 

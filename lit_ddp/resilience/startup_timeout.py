@@ -6,7 +6,7 @@ first step: the rendezvous (every rank's imports, a slow container start on one 
 the resume checkpoint and each rank's read of it from shared storage. :class:`StartupTimeout` gives that part
 its own, longer bound (torch's and Lightning's default, 30 minutes) and sets the strategy's timeout once every
 rank has reached training (or evaluation), at a barrier. Checkpoint saves stay under the collective timeout:
-rank zero writes at disk speed (``make bench-save``), minutes only for checkpoints of hundreds of GB.
+rank zero writes at disk speed (docs/fault_tolerance.md, "Atomic saves"), minutes only for checkpoints of hundreds of GB.
 
 torch's ``init_process_group`` and Lightning's strategies take one timeout for both.
 """
