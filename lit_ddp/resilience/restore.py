@@ -43,8 +43,8 @@ class ResumeState:
 
     ``state_dict()`` / ``load_state_dict()`` give and take these four entries (plain tensors, lists and numbers: a
     checkpoint of them loads with ``torch.load(weights_only=True)``). :meth:`restore` puts them back, at
-    ``on_train_start``, after Lightning's own restore. Our own code: Lightning's checkpoint holds rank zero's
-    loader state and no RNG or metric state, and torchtitan's per-rank state is not Lightning's.
+    ``on_train_start``, after Lightning's own restore. Lightning's checkpoint holds rank zero's loader state and no
+    RNG or metric state; torchtitan's per-rank ``Stateful`` objects plug into its own checkpointer, not Lightning's.
     """
 
     def __init__(
@@ -314,8 +314,7 @@ def _rng_states_from_tensors(states: dict[str, Any]) -> dict[str, Any]:
 def warn_changed_hyperparameters(path: str, configured: dict[str, Any]) -> list[str]:
     """Warns, key by key, where the config's model hyperparameters differ from those the checkpoint was written
     with: the model is built from the config, while a resume restores the optimizer and LR scheduler states, which
-    keep the checkpoint's rates and schedule (:func:`warn_restored_settings`
-    names them). Returns the keys.
+    keep the checkpoint's rates and schedule (:func:`warn_restored_settings` names them). Returns the keys.
     """
     saved = checkpoint_header(path).get("hyper_parameters") or {}
     changed = [
