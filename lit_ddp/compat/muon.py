@@ -132,10 +132,10 @@ class BatchedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` whose step orthogonalizes the matrices of each shape together: a few dozen kernels a step
     where torch's launches hundreds.
 
-    Our own because ``torch.optim.Muon`` (torch 2.9 to 2.15) has no batched path: its step loops over the matrices,
-    each with its own momentum, bf16 conversion, norm and Newton-Schulz iteration (about 29 small kernels a matrix:
-    700 aten ops for the 24 block matrices of ``configs/mingpt/gpu.yaml``), and its functional ``foreach`` raises
-    "Foreach is not supported for Muon yet". Open upstream pull requests add one: pytorch/pytorch#195566 (a batched
+    ``torch.optim.Muon`` (torch 2.9 to 2.15) has no batched path: its step loops over the matrices, each with its
+    own momentum, bf16 conversion, norm and Newton-Schulz iteration (about 29 small kernels a matrix: 700 aten ops
+    for the 24 block matrices of ``configs/mingpt/gpu.yaml``), and its functional ``foreach`` raises "Foreach is not
+    supported for Muon yet". Open upstream pull requests add one: pytorch/pytorch#195566 (a batched
     Newton-Schulz behind ``foreach``), #187131 (a ``foreach`` path that still orthogonalizes one matrix at a time)
     and #187132 (batched Newton-Schulz for square groups); :func:`torch_muon_is_batched` says where a torch has one.
 
@@ -167,6 +167,13 @@ class BatchedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Muon step of every group, as ``torch.optim.Muon.step``; returns the ``closure``'s loss (or None).
+
+        Raises:
+            RuntimeError: a complex parameter or a sparse gradient (torch's Muon refuses both).
+            ValueError: a group with ``ns_steps >= 100``, ``ns_coefficients`` other than three, or a gradient that
+                is not 2-D (torch's checks and messages).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
