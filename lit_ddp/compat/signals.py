@@ -15,8 +15,9 @@ def disable_sigterm_broadcast(trainer: Trainer) -> bool:
 
     Since Lightning 2.6 the training loop broadcasts rank zero's "SIGTERM received" flag before every step
     and reads it on the CPU (``_broadcast_sigterm_tensor``, Lightning PR 20825): a blocking collective per step
-    (Lightning issue 21487, open on 2.6.6; PR 21640 proposes an interval). Only called while our own handler owns
-    SIGTERM, when Lightning's flag can never be set; a Lightning without the broadcast leaves nothing to turn off.
+    (Lightning issue 21487, open on 2.6.6; PR 21640 proposes an interval). Only called while lit-ddp's handler
+    (:class:`lit_ddp.resilience.preemption.PreemptionCheckpoint`'s) owns SIGTERM, when Lightning's flag can never be
+    set; a Lightning without the broadcast leaves nothing to turn off.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):

@@ -77,10 +77,10 @@ def dcp_storage_extents(metadata: Any) -> dict[str, int]:
 
 
 def dcp_private_metadata_classes() -> dict[tuple[str, str], Any]:
-    """The private names a Distributed Checkpoint's ``.metadata`` pickle holds besides its public dataclasses: the
-    file system writer's ``_StorageInfo`` (each entry's file, offset and length) and ``torch.serialization``'s
-    ``_get_layout`` (a layout pickled by name), by ``(module, name)``; those this torch lacks are left out (torch
-    2.9 to 2.15 have both)."""
+    """The private classes a Distributed Checkpoint's ``.metadata`` pickle holds besides its public dataclasses, by
+    ``(module, name)``: the file system writer's ``_StorageInfo`` (each entry's file, offset and length); empty where
+    this torch lacks it (torch 2.9 to 2.15 have it). The pickle also names ``torch.serialization._get_layout`` (a
+    layout pickled by name), which :mod:`lit_ddp.run_dir.untrusted` replaces with a reader of layout names only."""
     found = {}
     for module, name in (("torch.distributed.checkpoint.filesystem", "_StorageInfo"),):
         try:

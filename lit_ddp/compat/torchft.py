@@ -10,7 +10,7 @@ manager and returns, and the future under the managed one is never set: the asse
 and the survivor's process dies with the peer. :func:`fault_tolerant_ddp` installs a hook that returns a completed
 future holding the bucket instead; the error stays recorded on the manager, so ``should_commit()`` is False and the
 step's gradients are discarded, as torchft intends. No upstream issue or pull request was found for it (searched
-2026-12: torchft issues, "ddp comm hook assert fut._fut"); it is known on torchft 0.2.0, and the hook mends only a
+2026-11: torchft issues, "ddp comm hook assert fut._fut"); it is known on torchft 0.2.0, and the hook mends only a
 future that is missing, so it does nothing once torchft sets one. ``tests/unit/test_compat.py`` shows whether the
 stock hook still fails (:func:`stock_hook_survives_failed_allreduce`).
 
