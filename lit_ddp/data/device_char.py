@@ -1,5 +1,5 @@
-"""The GPU main job's character windows, built on the device (issue 52): the text's tokens go to the device once,
-the loaders yield only where each window starts, and the windows are gathered there.
+"""The GPU main job's character windows, built on the device: the text's tokens go to the device once, the loaders
+yield only where each window starts, and the windows are gathered there.
 
 :class:`~lit_ddp.data.char.CharDataModule`'s loaders collate ``batch_size`` windows of ``block_size + 1`` tokens
 on the host and copy them to the device at every step (two ``(B, T)`` int64 tensors); here a step sends ``B``
