@@ -3,11 +3,11 @@ any memory.
 
 ``lit-ddp generate`` builds its GPTModule from a checkpoint's ``hyper_parameters``, and LightningCLI puts the
 hyperparameters of a ``--ckpt_path`` file into the model's arguments before ``fit``, ``validate`` or ``test`` build
-it. A checkpoint whose hyperparameters ask for ``n_layer=10000, n_embd=100000`` had the process allocate and
-initialize petabytes, until the kernel killed it, before anything compared the model with the checkpoint. Here the
-model is first built on torch's meta device (shapes, no memory) and refused in one line, naming the sizes, unless its
-state_dict has the checkpoint's keys and shapes and it holds no more than :data:`EXTRA_BYTES` outside them (the
-rotary tables a ``block_size`` sizes). The meta build itself stops after a few tensors more than the checkpoint
+it. Left to that, a checkpoint whose hyperparameters ask for ``n_layer=10000, n_embd=100000`` makes the process
+allocate and initialize petabytes until the kernel kills it, before anything compares the model with the
+checkpoint. Here the model is first built on torch's meta device (shapes, no memory) and refused in one line,
+naming the sizes, unless its state_dict has the checkpoint's keys and shapes and it holds no more than
+:data:`EXTRA_BYTES` outside them (the rotary tables a ``block_size`` sizes). The meta build itself stops after a few tensors more than the checkpoint
 holds: a million blocks would take minutes and gigabytes of Python objects.
 """
 

@@ -1,9 +1,9 @@
 """The text a :class:`~lit_ddp.data.char.CharDataModule` will read, checked before any process starts.
 
-A local file that is not UTF-8 failed in every rank's ``setup``, after the processes had started, with Python's
-"'utf-8' codec can't decode byte 0xe9 in position 3" and no file name. Here the CLI reads it once, in chunks, before
-it builds anything, and refuses it in one line naming the file and the byte offset (:func:`check_utf8`). A URL's text
-is read where it is downloaded (``prepare_data``), not here.
+Unchecked, a local file that is not UTF-8 fails in every rank's ``setup``, after the processes have started, with
+Python's "'utf-8' codec can't decode byte 0xe9 in position 3" and no file name. Here the CLI reads it once, in
+chunks, before it builds anything, and refuses it in one line naming the file and the byte offset
+(:func:`check_utf8`). A URL's text is read where it is downloaded (``prepare_data``), not here.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ TEXT_DATA_CLASSES = ("lit_ddp.data.char.CharDataModule",)
 
 
 def check_utf8(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> None:
-    """Raises UsageError naming ``path`` and the byte offset where it stops being UTF-8 (``chunk_bytes`` at a time;
-    none of its text is kept)."""
+    """Reads ``path`` as UTF-8, ``chunk_bytes`` at a time (none of its text is kept).
+
+    Raises:
+        UsageError: the file is not UTF-8; the message names ``path`` and the first byte offset that is not.
+        OSError: the file cannot be opened or read.
+    """
     decoder, read = codecs.getincrementaldecoder("utf-8")(), 0
     with open(path, "rb") as f:
         while True:

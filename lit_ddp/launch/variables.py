@@ -2,7 +2,7 @@
 
 Lightning reads the rank from ``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID`` or ``JSM_NAMESPACE_RANK`` with ``int()`` as
 it is imported (``lightning.fabric.utilities.rank_zero``), and torch, Lightning's cluster environments and lit-ddp
-read the others when processes start: a value that is not a number ended in a ValueError that names no variable.
+read the others when processes start: a value that is not a number ends in a ValueError that names no variable.
 :func:`check_launch_variables` names it, in one line, before any of them reads it. Standard library only (and
 :mod:`lit_ddp.errors`): ``python -m lit_ddp`` runs it before it imports Lightning.
 """
