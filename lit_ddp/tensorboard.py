@@ -1,7 +1,8 @@
 """TensorBoard: the run's logger, and reading its event files back with tensorboard's own reader.
 
-The readers are used by the tests, the notebooks and the README's plot script. A run directory holds one
-TensorBoard log, continued across restarts, so all event files of the directory are read together.
+The readers are used by the tests, the notebooks and ``scripts/plot_loss_curves.py`` (docs/monitoring.md). A run
+directory holds one TensorBoard log, continued across restarts, so all event files of the directory are read
+together.
 """
 
 from __future__ import annotations

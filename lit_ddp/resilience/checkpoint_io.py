@@ -123,7 +123,7 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
 
     The checkpoint's tensors are cloned on the training thread (a point-in-time copy, so RNG, dataloader and
     optimizer states stay consistent); serialization and the write happen in the thread while training goes
-    on. See the README ("Fault tolerance") for when not to use it.
+    on. docs/fault_tolerance.md ("Asynchronous saves") says when not to use it.
 
     Args:
         checkpoint_io: the IO that does the writing; defaults to :class:`AtomicCheckpointIO`.
