@@ -35,7 +35,7 @@ DEFAULT_PROMPT = "O God, O God!"
 
 MIN_TEMPERATURE = 1e-6
 """The smallest positive sampling temperature. Below it sampling is greedy but for ties, and the logits divided by it
-can overflow float32 (a temperature of 1e-45 did: torch's multinomial error)."""
+can overflow float32 (a temperature of 1e-45 does: torch's multinomial then raises)."""
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, prefix: str = "") -> None:

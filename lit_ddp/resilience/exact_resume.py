@@ -87,7 +87,8 @@ class ExactResume(Callback):
             "pending_log": pending,
         }
         # What was logged up to this checkpoint reaches the disk with it (TensorBoard flushes every 2 minutes): a
-        # kill after a validation-end save lost that validation's points, which the resumed run does not log again.
+        # kill after a validation-end save would lose that validation's points, which the resumed run does not log
+        # again.
         for logger in trainer.loggers:
             logger.save()  # TensorBoardLogger's writes hparams.yaml only: its event file is flushed apart
             if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:

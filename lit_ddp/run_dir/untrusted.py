@@ -4,9 +4,8 @@ A checkpoint, a sharded checkpoint's directory, a run directory that others can 
 input (docs/security.md). Nothing read from them may run code:
 
 - checkpoint files: ``torch.load(weights_only=True)`` only (:func:`load`). Every ``lit-ddp`` process also sets
-  torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` (:func:`force_weights_only`), so the loads that libraries make on our
-  behalf (Lightning's, torch's distributed checkpoint's ``load_bytes``, ``dcp_to_torch_save``) are weights-only
-  too, whatever they ask for;
+  torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` (:func:`force_weights_only`), so a library's own loads in that process
+  (Lightning's, torch's distributed checkpoint's ``load_bytes``) are weights-only too, whatever they ask for;
 - a sharded checkpoint's DCP ``.metadata``, which torch's ``FileSystemReader.read_metadata`` reads with a plain
   ``pickle.load``: read by :func:`read_dcp_metadata`, an unpickler that admits the metadata's own dataclasses,
   ``torch.Size``, dtypes and layouts and nothing else (the "Restricting Globals" recipe of Python's ``pickle``
