@@ -1,8 +1,8 @@
 """The restore check: a resumed fit compares the state it restored with the one its checkpoint holds, before its
 first step (step 4 of :meth:`lit_ddp.resilience.restore.ResumeState.restore`, in ``ExactResume.on_train_start``,
 after that hook of the callbacks listed before it in the trainer). A comparison only: what a save records for it is
-:func:`lit_ddp.resilience.restore.saved_positions`. A loading bug, a callback that edits the weights on resume: the run stops with one line
-naming the first entry that differs, instead of training on from a state nobody saved.
+:func:`lit_ddp.resilience.restore.saved_positions`. A loading bug, a callback that edits the weights on resume: the
+run stops with one line naming the first entry that differs, instead of training on from a state nobody saved.
 
 Compared on every rank: the global step, each LR scheduler's state, this rank's RNG streams as ExactResume saved
 them (torch, CUDA, numpy, Python; on another world size not, where rank r restores rank r mod n's by design), and,
@@ -12,13 +12,12 @@ and tensor parallelism from a sharded checkpoint, which torch's distributed chec
 shard of each of them, against the checkpoint read a second time into copies (``read_sharded_state``); on a resume
 mid-epoch, each train loader's :class:`~lit_ddp.data.samplers.GlobalOrderSampler` position (epoch and global
 sample), the dataset indices of the global batch that follows it and, for a loader with workers, the seed their
-RNGs start from, which each save records: a lost position, another seed or other data
-shows there. Tensors bit for bit
-(``torch.equal``), other values by ``==``.
+RNGs start from, which each save records: a lost position, another seed or other data shows there. Tensors bit for
+bit (``torch.equal``), other values by ``==``.
 
 It reads the checkpoint Lightning has loaded anyway (a sharded one a second time), so a save costs nothing more;
-a resume costs one pass over the state (docs/fault_tolerance.md, "What is saved"). Lightning and torch's distributed checkpoint
-load without comparing.
+a resume costs one pass over the state (docs/fault_tolerance.md, "What is saved"). Lightning and torch's distributed
+checkpoint load without comparing.
 """
 
 from __future__ import annotations
@@ -69,8 +68,9 @@ def restored(trainer: Trainer, pl_module: LightningModule, rng: dict[str, Any], 
 
 
 def live_positions(trainer: Trainer, saved: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
-    """After a restore, what :func:`lit_ddp.resilience.restore.saved_positions` recorded at the save, read from the train loaders' samplers and iterators,
-    with as many next indices as ``saved`` holds (the global batch may have changed with the world size)."""
+    """After a restore, what :func:`lit_ddp.resilience.restore.saved_positions` recorded at the save, read from the
+    train loaders' samplers and iterators, with as many next indices as ``saved`` holds (the global batch may have
+    changed with the world size)."""
     positions: list[dict[str, Any] | None] = []
     states = compat.train_loader_states(trainer)
     for i, (loader, promise) in enumerate(zip(compat.train_loaders(trainer), saved, strict=False)):

@@ -5,11 +5,10 @@ replaces (``last.ckpt/``, ``epoch=0-step=50.ckpt/``): DCP's ``.metadata`` and on
 the parameters and optimizer state, each rank writing its own shards; Lightning's ``meta.pt`` holds the rest
 (global_step, loops, schedulers, the exact-resume state). Neither DCP nor Lightning makes that directory appear
 atomically: Lightning writes into the target itself, so a process killed mid-save leaves a torn ``last.ckpt/``
-in place of the previous one. So every rank writes into a hidden
-sibling directory (``.NAME.XXXX.tmp``, which no ``*.ckpt`` glob matches), and rank zero swaps it into place
-once every rank is done (``renameat2(RENAME_EXCHANGE)`` on Linux). Listing checkpoints
-(:mod:`lit_ddp.run_dir.checkpoints`) reads such a directory's step from ``meta.pt`` and checks that every shard
-file its ``.metadata`` names is there in full.
+in place of the previous one. Here every rank writes into a hidden sibling directory (``.NAME.XXXX.tmp``, which no
+``*.ckpt`` glob matches), and rank zero swaps it into place once every rank is done (``renameat2(RENAME_EXCHANGE)``
+on Linux). Listing checkpoints (:mod:`lit_ddp.run_dir.checkpoints`) reads such a directory's step from ``meta.pt``
+and checks that every shard file its ``.metadata`` names is there in full.
 """
 
 from __future__ import annotations
