@@ -22,8 +22,9 @@ from lit_ddp.recipe import OPTIMIZERS, build_optimizer, check_schedule, warmup_c
 class GPTModule(LightningModule):
     """Trains :class:`~lit_ddp.models.gpt.GPT` on next-character prediction.
 
-    The GPT is built in ``configure_model`` once the vocabulary is known: from ``vocab`` (a loaded checkpoint),
-    else from the datamodule after its ``setup``; the vocabulary then goes into every checkpoint. Logged:
+    The GPT is built once the vocabulary is known: at construction from ``vocab`` (a checkpoint's), else in
+    ``configure_model`` after ``setup`` has taken the datamodule's. A datamodule's vocabulary replaces ``vocab`` at
+    ``setup`` (a checkpoint of another one is refused as it loads), and goes into every checkpoint. Logged:
     ``train/loss`` (mean over ranks, on the steps the logger writes), ``val/loss`` (nats per character, a
     token-weighted mean over all ranks) and ``val/ppl``. ``flops_per_batch`` feeds Lightning's ThroughputMonitor.
 
@@ -35,7 +36,7 @@ class GPTModule(LightningModule):
         block_size: context length in characters (linked from ``data.init_args.block_size``).
         dropout: dropout probability.
         bias: biases in Linear and LayerNorm layers.
-        vocab: the vocabulary (character ``i`` is token ``i``); None: taken from the datamodule.
+        vocab: the vocabulary (character ``i`` is token ``i``), as a checkpoint holds it; None: the datamodule's.
         learning_rate: AdamW's peak learning rate (the tutorial's 3e-4).
         weight_decay: AdamW weight decay of Linear weights (the tutorial's 0.1).
         betas: AdamW betas (minGPT's (0.9, 0.95)).
@@ -54,7 +55,9 @@ class GPTModule(LightningModule):
             every block reuses); False: eager. Validation and sampling run eagerly (no graph per batch shape).
 
     Raises:
-        ValueError: an unknown preset or optimizer, or an invalid size, rate or schedule.
+        ValueError: an unknown preset or optimizer, or an invalid size, rate or schedule; at ``setup``, no
+            vocabulary (neither ``vocab`` nor the datamodule's); loading a checkpoint whose vocabulary is not the
+            data's.
     """
 
     def __init__(
