@@ -13,12 +13,12 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_ddp import compat
 
+TRAIN = "train"  # the metrics' prefix, as Lightning's RunningStage names the stage
+
 # Dense peak FLOP/s of GPUs whose name Lightning 2.6's table misses, by the precision the run computes in. The H200
 # reports itself as "NVIDIA H200", which is neither of Lightning's "h200 sxm1" / "h200 nvl1" (whose figures are the
 # sparse ones besides); it is the H100 SXM's GH100 chip at the same clocks: NVIDIA's H200 datasheet gives 989 TFLOP/s
 # dense bf16, Lightning's "h100 sxm" 989.4e12.
-TRAIN = "train"  # the metrics' prefix, as Lightning's RunningStage names the stage
-
 PEAK_FLOPS = {
     "NVIDIA H200": {"bf16-mixed": 989.4e12, "bf16-true": 989.4e12, "16-mixed": 989.4e12, "16-true": 989.4e12},
 }
