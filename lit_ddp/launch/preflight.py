@@ -1,7 +1,9 @@
-"""Every check that runs before any process starts: one error type, one ``lit-ddp: error:`` line.
+"""The checks of the launch, the machine and the command line that run before any process starts: one error type,
+one ``lit-ddp: error:`` line. (The text data and a checkpoint's model size are checked as early, in
+:mod:`lit_ddp.launch.text_check` and :mod:`lit_ddp.launch.model_size`.)
 
-Each check raises :class:`~lit_ddp.errors.UsageError` naming the bad value and what would be right; the CLI prints it once
-(rank/task zero) as ``lit-ddp: error: ...`` and exits with status 2, before anything is instantiated, so
+Each check raises :class:`~lit_ddp.errors.UsageError` naming the bad value and what would be right; the CLI prints it
+once (rank/task zero) as ``lit-ddp: error: ...`` and exits with status 2, before anything is instantiated, so
 nothing already saved is touched and no process is left waiting for a peer (:func:`run_preflight`).
 
 - the launch (:func:`check_launch`): the Slurm / torchrun mis-launches that otherwise hang or fail
@@ -24,7 +26,9 @@ nothing already saved is touched and no process is left waiting for a peer (:fun
   cores this process may use (its CPU affinity: a container's binding), fp16 on CPU;
 - a user-set ``MASTER_ADDR`` that does not resolve (:func:`check_master_addr`) and a ``MASTER_PORT`` that is busy
   (:func:`check_master_port`);
-- an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`).
+- a ``--config`` file that is not valid YAML (:func:`check_config_files`);
+- an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`), or that
+  another LightningModule than the config's wrote (:func:`check_ckpt_matches_config`).
 """
 
 from __future__ import annotations
