@@ -149,9 +149,10 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     Raises:
         ValueError: ``tensor_parallel_size`` < 1, or > 1 without a plan; ``async_save`` without
-            ``save_distributed_checkpoint``; a unit that is not a module class, a plan
-            that is not a function; at set-up, a world size that ``tensor_parallel_size`` does not divide, a
-            LightningModule with ``compile=True`` (a compiled forward would skip the hooks that gather the shards).
+            ``save_distributed_checkpoint``; a unit that is not a module class, a plan that is not a function; at
+            set-up, a world size that ``tensor_parallel_size`` does not divide, a LightningModule whose ``compile``
+            is set (``True``, ``"model"`` or ``"blocks"`` alike; a compiled whole forward would skip the hooks that
+            gather the shards).
     """
 
     def __init__(
