@@ -291,6 +291,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 ``_state_dict_utils._distribute_tensors`` gives each rank a contiguous block of rows, not its rows
                 of q, of k and of v (torch 2.13; a resumed run's c_attn weights ended 1.1 apart, relative, from the
                 uninterrupted run's). No upstream issue found yet; ``tests/system/test_fsdp.py`` shows it.
+            UntrustedFileError: a file of the checkpoint holds more than its own classes, tensors and plain data.
         """
         model = self.model
         if model is None:
