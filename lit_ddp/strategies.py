@@ -361,9 +361,9 @@ def _strided_like(value: Any, like: Any) -> Any:
 
 
 def _mapped(tree: Any, fn: Any, *like: Any) -> Any:
-    """``fn`` applied to each leaf of nested dicts and lists (with ``like``'s leaf beside it, when given). Ours:
-    lightning_utilities' ``apply_to_collection(s)`` in its place made the tensor-parallel resume test end 0.82 apart
-    (not understood yet)."""
+    """``fn`` applied to each leaf of nested dicts and lists (with ``like``'s leaf beside it, when given).
+    lightning_utilities' ``apply_to_collection(s)`` in its place fails the tensor-parallel resume test (0.82 apart;
+    the cause is not known)."""
     if isinstance(tree, dict):
         return {k: _mapped(v, fn, *(x[k] for x in like)) for k, v in tree.items()}
     if isinstance(tree, list | tuple):
