@@ -7,8 +7,8 @@ it. Left to that, a checkpoint whose hyperparameters ask for ``n_layer=10000, n_
 allocate and initialize petabytes until the kernel kills it, before anything compares the model with the
 checkpoint. Here the model is first built on torch's meta device (shapes, no memory) and refused in one line,
 naming the sizes, unless its state_dict has the checkpoint's keys and shapes and it holds no more than
-:data:`EXTRA_BYTES` outside them (the rotary tables a ``block_size`` sizes). The meta build itself stops after a few tensors more than the checkpoint
-holds: a million blocks would take minutes and gigabytes of Python objects.
+:data:`EXTRA_BYTES` outside them (the rotary tables a ``block_size`` sizes). The meta build itself stops after a
+few tensors more than the checkpoint holds: a million blocks would take minutes and gigabytes of Python objects.
 """
 
 from __future__ import annotations
