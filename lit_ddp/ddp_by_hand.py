@@ -6,7 +6,8 @@ spawns.
 worker joins a gloo process group, does its part, and writes ``<out_dir>/rank<R>.pt``; the notebook reads
 the files back with :func:`load_results`.
 
-Plain PyTorch for the DDP itself (Lightning only finds a free port): this is what Lightning's ``DDPStrategy`` does for us.
+Plain PyTorch for the DDP itself (Lightning only finds a free port): this is what Lightning's ``DDPStrategy`` does
+for us.
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ that a hung peer becomes an error instead of a hang), and that one timeout also 
 first step: the rendezvous (every rank's imports, a slow container start on one node), the ranks' agreement on
 the resume checkpoint and each rank's read of it from shared storage. :class:`StartupTimeout` gives that part
 its own, longer bound (torch's and Lightning's default, 30 minutes) and sets the strategy's timeout once every
-rank has reached training (or evaluation), at a barrier. Checkpoint saves stay under the collective timeout:
-rank zero writes at disk speed (docs/fault_tolerance.md, "Atomic saves"), minutes only for checkpoints of hundreds of GB.
-
-torch's ``init_process_group`` and Lightning's strategies take one timeout for both.
+rank has reached training (or evaluation), at a barrier: torch's ``init_process_group`` and Lightning's strategies
+take one timeout for both. Checkpoint saves stay under the collective timeout: rank zero writes at disk speed
+(docs/fault_tolerance.md, "Atomic saves"), minutes only for checkpoints of hundreds of GB.
 """
 
 from __future__ import annotations
