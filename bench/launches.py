@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from bench.harness.measure import alternate, arguments, markdown_table, seconds, write_json
-from bench.harness.ops import VOCAB, AtenOps, gpu_yaml_model
+from bench.harness.ops import VOCAB, AtenOps, recipe_model
 from lit_ddp.callbacks.batched_step import batch_optimizer_step
 
 
@@ -36,7 +36,7 @@ class Job:
     """gpu.yaml's model and one choice of optimizer, from the same seed."""
 
     def __init__(self, variant: Callable[[torch.optim.Optimizer], torch.optim.Optimizer], batch: torch.Tensor) -> None:
-        module, optimizer = gpu_yaml_model(device=batch.device.type)
+        module, optimizer = recipe_model(device=batch.device.type)
         self.model, self.optimizer, self.batch = module.model, variant(optimizer), batch
         self.sync = torch.cuda.synchronize if batch.is_cuda else None
 

@@ -1,7 +1,8 @@
 """The main job's speed in one table (``make bench-speed``, about 15 minutes; docs/speed.md, "The speed table"), each
 figure a ratio of two runs side by side: time from launch to val/loss ``--target`` of :mod:`bench.nanogpt_reference`
-against ``make train`` (``--rounds`` alternates them), Lightning against plain DDP (:mod:`bench.framework_overhead`),
-DDP scaling (:mod:`bench.plain_ddp` ``--mode both``), MFU against the fp32 matmul peak.
+against ``make train`` (``--rounds`` alternates them); in turns (:mod:`bench.harness.turns`), the step time of
+``lit-ddp fit`` against :mod:`bench.plain_ddp` (2 gloo processes, validation and sampling off), and DDP scaling
+(:mod:`bench.plain_ddp`'s two modes); MFU against the fp32 matmul peak.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import framework_overhead, plain_ddp
-from bench.harness.clock import read_clock
-from bench.harness.launch import clock_args, run
+from bench.harness import turns
+from bench.harness.clock import job_figures, read_clock
+from bench.harness.launch import NO_VALIDATION, clock_args, fit_command, run, without_samples
 from bench.harness.measure import alternate, arguments, fmt, markdown_table, peak_flops, write_json
+from bench.plain_ddp import CONFIGS
 
 
 def run_reference(target: float, work: Path) -> dict[str, Any]:
@@ -44,12 +46,29 @@ def run_make_train(target: float, work: Path, name: str, extra: list[str]) -> di
             "best_val_loss": min(v for _, _, v in points), "evals": [(t - launch, s, v) for t, s, v in points]}  # fmt: skip
 
 
+def in_turns(commands: dict[str, list[str]], work: Path, args: Any, timeout: float = 1800.0) -> dict[str, Any]:
+    """The two commands, each writing its step clock at ``<work>/<side>.clock``, in turns: the summary of
+    :func:`bench.harness.turns.run_in_turns`, and per side its tokens/s and MFU."""
+    clocks = {side: work / f"{side}.clock" for side in commands}
+    summary = turns.run_in_turns(commands, clocks, work, args.slice_s, args.warmup, timeout)
+    for side, job in summary["job"].items():
+        figures = job_figures(job, summary["mean_step_s"][side], peak_flops(threads=int(job[2])))
+        summary[side] = {**figures, "steps_counted": summary["steps_counted"][side]}
+    print(f"{' / '.join(reversed(commands))} step time, turns of {args.slice_s:g} s: {turns.describe(summary)}")
+    return summary
+
+
+def plain(mode: str, steps: int, clock: Path) -> list[str]:
+    return [sys.executable, "-m", "bench.plain_ddp", "--mode", mode, "--steps", str(steps), "--clock", str(clock)]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = arguments(__doc__, json_help="write every figure here")
     parser.add_argument("--target", type=float, default=1.886, help="val/loss both runs are timed to")
     parser.add_argument("--rounds", type=int, default=1, help="reference / make train pairs, alternating")
-    parser.add_argument("--overhead_steps", type=int, default=2000, help="steps per side of bench.framework_overhead")
+    parser.add_argument("--overhead_steps", type=int, default=2000, help="steps per side, lit-ddp fit / plain DDP")
     parser.add_argument("--steps", type=int, default=600, help="steps per side of the DDP scaling measurement")
+    turns.add_arguments(parser, warmup=30, slice_s=1.0)
     parser.add_argument("--skip", nargs="*", default=[], choices=["time", "overhead", "scaling"])
     parser.add_argument("train_args", nargs="*", help="extra make train arguments (after --)")
     args = parser.parse_args(argv)
@@ -77,7 +96,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
                 rows.append(("time to loss, make train / reference", f"{statistics.median(ratios):.2f}{spread}", "target <= 0.60"))  # fmt: skip
         if "overhead" not in args.skip:
-            over = results["framework_overhead"] = framework_overhead.main(["--steps", str(args.overhead_steps)])
+            work, steps = Path(tmp) / "overhead", ["--trainer.max_steps", str(args.overhead_steps)]
+            work.mkdir()
+            fit = [*NO_VALIDATION, without_samples(*CONFIGS), *steps]
+            lightning = fit_command(*CONFIGS, root=work / "run", clock=work / "lightning.clock", args=fit)
+            commands = {"plain": plain("ddp", args.overhead_steps, work / "plain.clock"), "lightning": lightning}
+            over = results["framework_overhead"] = in_turns(commands, work, args, args.timeout)
             low, high = over["ratio_median_ci95"]
             rows.append(("step time, lit-ddp fit / plain DDP", f"{over['ratio_median']:.3f} ({low:.3f}-{high:.3f})", f"median of {over['rounds']} rounds (95% interval); target <= 1.02"))  # fmt: skip
             rows.append(("  quartiles of the rounds' ratios", f"{over['ratio_q1']:.3f}-{over['ratio_q3']:.3f}", ""))
@@ -86,12 +110,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 s = over[side]
                 rows.append((f"{side} DDP: tokens/s (2 x 1 thread)", f"{s['tokens_per_s']:,.0f}", f"MFU {100 * s['mfu']:.1f}%"))  # fmt: skip
         if "scaling" not in args.skip:
-            flags = framework_overhead.plain_flags()
-            both = results["scaling"] = plain_ddp.main(["--mode", "both", "--steps", str(args.steps), *flags])
-            sc = both["scaling"]
+            work = Path(tmp) / "scaling"
+            work.mkdir()
+            modes = {m: plain(m, args.steps, work / f"{m}.clock") for m in ("ddp", "single")}
+            sc = results["scaling"] = in_turns(modes, work, args)
             rows.append(("DDP scaling: tokens/s 2 x 1 thread / 1 x 2 threads", f"{sc['ratio_median']:.3f} ({sc['ratio_median_ci95'][0]:.3f}-{sc['ratio_median_ci95'][1]:.3f})", f"median of {sc['rounds']} rounds (95% interval); same global batch"))  # fmt: skip
             for mode in ("ddp", "single"):
-                r = both[mode]
+                r = sc[mode]
                 rows.append((f"  {mode}: tokens/s, MFU", f"{r['tokens_per_s']:,.0f}", f"MFU {100 * r.get('mfu', 0):.1f}%"))  # fmt: skip
         peak1, peak2 = peak_flops(threads=1), peak_flops(threads=2)
         results["peak_flops"] = {"1": peak1, "2": peak2}

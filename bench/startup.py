@@ -147,13 +147,13 @@ def pace(choices: list[str], batch_size: int, rounds: int, device: str = "cpu") 
     import torch
 
     from bench.harness.measure import alternate, seconds
-    from bench.harness.ops import VOCAB, gpu_yaml_model, train_step
+    from bench.harness.ops import VOCAB, recipe_model, train_step
     from lit_ddp.callbacks.batched_step import batch_optimizer_step
 
     sync = torch.cuda.synchronize if device == "cuda" else None
 
     def job(choice: str) -> Any:
-        module, built = gpu_yaml_model(CHOICES[choice], device)
+        module, built = recipe_model(compile=CHOICES[choice], device=device)
         optimizer = batch_optimizer_step(built)
         x = torch.randint(0, len(VOCAB), (batch_size, module.hparams["block_size"]), device=device)
 

@@ -1,5 +1,5 @@
 """Training steps outside a fit: :class:`AtenOps` counts their aten ops (an eager one is about one CUDA kernel
-launch), :func:`train_step` is the recipe's step, :func:`gpu_yaml_model` gpu.yaml's model and its optimizer."""
+launch), :func:`train_step` is the recipe's step, :func:`recipe_model` a config's model and its optimizer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.harness.launch import REPO
 
-GPU_YAML = REPO / "configs" / "mingpt" / "gpu.yaml"
+GPU_YAML = "configs/mingpt/gpu.yaml"
 VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65 characters
 
 
@@ -55,19 +55,32 @@ def train_step(model: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor, aut
     optimizer.zero_grad(set_to_none=True)
 
 
-def gpu_yaml_model(compile: bool | str = False, device: str = "cpu") -> tuple[Any, torch.optim.Optimizer]:
-    """gpu.yaml's ``GPTModule`` (seed 0, train mode, ``compile`` as given) on ``device`` and the optimizer its recipe
-    builds from the module's hyperparameters (:func:`lit_ddp.recipe.build_optimizer`)."""
+def yaml_settings(*configs: str) -> dict[str, dict[str, Any]]:
+    """The ``model`` and ``data`` init_args and the ``trainer`` settings of the YAMLs (a later file's over an
+    earlier's, as ``--config`` composes them)."""
     import yaml
 
+    merged: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "trainer": {}}
+    for path in configs:
+        config = yaml.safe_load((REPO / path).read_text()) or {}
+        for key in ("model", "data"):
+            merged[key].update((config.get(key) or {}).get("init_args") or {})
+        merged["trainer"].update(config.get("trainer") or {})
+    return merged
+
+
+def recipe_model(*configs: str, compile: bool | str = False, device: str = "cpu") -> tuple[Any, torch.optim.Optimizer]:
+    """The ``GPTModule`` the YAMLs configure (default gpu.yaml's; seed 0, train mode, ``compile`` as given) on
+    ``device`` and the optimizer its recipe builds from the module's hyperparameters
+    (:func:`lit_ddp.recipe.build_optimizer`)."""
     from lit_ddp.data.char import build_vocab
     from lit_ddp.recipe import build_optimizer
     from lit_ddp.tasks.mingpt import GPTModule
 
-    config = yaml.safe_load(GPU_YAML.read_text())
-    init = {**config["model"]["init_args"], "compile": compile, "betas": tuple(config["model"]["init_args"]["betas"])}
+    settings = yaml_settings(*(configs or (GPU_YAML,)))
     torch.manual_seed(0)
-    module = GPTModule(**init, block_size=config["data"]["init_args"]["block_size"], vocab=build_vocab(VOCAB))
+    module = GPTModule(**{**settings["model"], "compile": compile}, block_size=settings["data"]["block_size"],
+                       vocab=build_vocab(VOCAB))  # fmt: skip
     module = module.to(device).train()
     hp = module.hparams
     rates = ("learning_rate", "weight_decay", "muon_learning_rate", "muon_momentum", "muon_weight_decay")

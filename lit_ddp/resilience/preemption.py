@@ -64,7 +64,7 @@ class PreemptionCheckpoint(Callback):
     written as usual). Every rank takes part
     in each all-reduce (two int32; gloo on CPU, the default device's backend otherwise); the one in flight
     when training ends is waited for in ``on_train_end``. An all-reduce every step cost 0.5 % of a 80 ms
-    step here (``python -m bench.framework_overhead``); one a second costs nothing measurable.
+    step here (the step-time ratio of ``make bench-speed``); one a second costs nothing measurable.
 
     With ``handle_sigterm``, Lightning's own SIGTERM agreement goes: since Lightning 2.6 its training loop
     broadcasts rank zero's "SIGTERM received" flag before every step and reads it on the CPU
