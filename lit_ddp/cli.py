@@ -148,6 +148,14 @@ class LitDDPCLI(LightningCLI):
       ``high`` (TF32) on CUDA devices, torch's default elsewhere (:func:`set_float32_matmul_precision`);
     - the model summary is :class:`~lit_ddp.callbacks.model_summary.MixedPrecisionModelSummary`, Lightning's without
       its false warning under mixed precision.
+
+    Raises:
+        ToolExit: a tool subcommand (:data:`TOOLS`) has run; its code is the tool's exit status.
+        UsageError: a check before anything is instantiated (the launch and machine, ``--ckpt_path``, the text, the
+            run directory held by another job), or ``--weights_only false`` (an ``UntrustedFileError``).
+        RunDirectoryNotWritable: the run directory's file system refused a write.
+        LitDDPError: what the run itself stops with (no valid checkpoint, a failed restore check, a non-finite
+            loss, a preemption signal: :mod:`lit_ddp.errors`).
     """
 
     run_root: str | None = None  # the run directory, once the config names it

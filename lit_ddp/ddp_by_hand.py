@@ -198,7 +198,11 @@ def reference_grads(global_batch: int, seed: int = 0) -> dict[str, torch.Tensor]
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest absolute elementwise difference between two name -> tensor dicts with the same keys."""
+    """Largest absolute elementwise difference between two name -> tensor dicts with the same keys.
+
+    Raises:
+        ValueError: the dicts' keys differ.
+    """
     if a.keys() != b.keys():
         raise ValueError(f"different keys: {sorted(a)} vs {sorted(b)}")
     return max((a[k] - b[k]).abs().max().item() for k in a)

@@ -54,6 +54,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
+        """Writes ``checkpoint`` to ``path`` (a local path or an fsspec URL) whole or not at all.
+
+        Raises:
+            TypeError: ``storage_options`` given (Lightning's fsspec options are not taken).
+            RunDirectoryNotWritable: the file system refused a local write (read-only, full, no permission);
+                the checkpoints saved before are named and left as they were.
+        """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not accept storage_options")
         fs, fs_path = url_to_fs(str(path))

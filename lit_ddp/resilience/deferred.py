@@ -24,6 +24,9 @@ class DeferredFlag:
 
     Args:
         op: ``"max"`` or ``"broadcast"`` (from rank zero).
+
+    Raises:
+        ValueError: another ``op``.
     """
 
     def __init__(self, op: Literal["max", "broadcast"]) -> None:

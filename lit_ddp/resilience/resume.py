@@ -12,8 +12,7 @@ unreadable; each rank chooses for itself. Here, in the order a ``fit`` meets the
    checkpoint connector resolves through steps 2 and 3 once the process group exists, or the user's
    ``--ckpt_path`` (a rollback sets later checkpoints aside).
 
-What a resume then puts back is :mod:`lit_ddp.resilience.restore`. (Lightning's ``"last"`` / ``"hpc"`` is chosen on each
-rank for itself, by file name or time.)
+What a resume then puts back is :mod:`lit_ddp.resilience.restore`.
 """
 
 from __future__ import annotations
