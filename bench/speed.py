@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows.append((f"  {mode}: tokens/s, MFU", f"{r['tokens_per_s']:,.0f}", f"MFU {100 * r.get('mfu', 0):.1f}%"))  # fmt: skip
         peak1, peak2 = peak_flops(threads=1), peak_flops(threads=2)
         results["peak_flops"] = {"1": peak1, "2": peak2}
-        rows.append(("fp32 matmul peak, 1 / 2 threads (GFLOP/s)", f"{peak1 / 1e9:.0f} / {peak2 / 1e9:.0f}", "bench.matmul_peak"))  # fmt: skip
+        rows.append(("fp32 matmul peak, 1 / 2 threads (GFLOP/s)", f"{peak1 / 1e9:.0f} / {peak2 / 1e9:.0f}", "measure.peak_flops"))  # fmt: skip
     print(f"\n{results['machine']}\n" + markdown_table(["figure", "value", "note"], rows))
     write_json(args.json, results)
     return results

@@ -10,6 +10,7 @@ with the training job's MFU), a CPU's measured here (fp32 matmuls with the threa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -53,22 +54,10 @@ def timing(fn: Callable[..., T], calls: list[tuple[float, float]]) -> Callable[.
     return timed
 
 
-def matmul_flops(n: int, min_time: float = 0.5) -> float:
-    """FLOP/s of ``(n, n) @ (n, n)`` in fp32 on the CPU (``2 n^3`` FLOPs): the best of timings over ``min_time`` s."""
-    import torch
-
-    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-    torch.matmul(a, b, out=out)  # warm-up
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < min_time:
-        best = min(best, seconds(lambda: torch.matmul(a, b, out=out)))
-    return 2 * n**3 / best
-
-
 def peak_flops(device: Any = "cpu", precision: str = "32-true", threads: int | None = None) -> float | None:
     """Peak FLOP/s of one process on ``device``: on CUDA the throughput callback's figure for ``precision``
     (:func:`lit_ddp.callbacks.throughput.available_flops`; None where no table knows the GPU); on the CPU the best
-    fp32 matmul with ``threads`` torch threads (default: as set)."""
+    fp32 ``(n, n) @ (n, n)`` (``2 n^3`` FLOPs) over a few ``n`` with ``threads`` torch threads (default: as set)."""
     import torch
 
     device = torch.device(device)
@@ -77,12 +66,16 @@ def peak_flops(device: Any = "cpu", precision: str = "32-true", threads: int | N
 
         dtype = torch.bfloat16 if precision.startswith("bf16") else "tfloat32"
         return available_flops(device, precision, dtype)
-    before = torch.get_num_threads()
+    before, best = torch.get_num_threads(), 0.0
     torch.set_num_threads(threads or before)
-    try:
-        return max(matmul_flops(n, min_time=0.2) for n in (256, 512, 1024))
-    finally:
-        torch.set_num_threads(before)
+    for n in (256, 512, 1024):
+        a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+        torch.matmul(a, b, out=out)  # warm-up
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.2:
+            best = max(best, 2 * n**3 / seconds(functools.partial(torch.matmul, a, b, out=out)))
+    torch.set_num_threads(before)
+    return best
 
 
 def arguments(

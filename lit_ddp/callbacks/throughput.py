@@ -54,7 +54,7 @@ class TokenThroughputMonitor(Callback):
 
     Args:
         available_flops: peak FLOP/s of one device (one process); None: :data:`PEAK_FLOPS`, else Lightning's table
-            (GPUs only). On CPU, measure it with ``python -m bench.matmul_peak``.
+            (GPUs only). On CPU, ``make bench-speed`` measures it (its fp32 matmul peak).
         window_size: points each rate is averaged over: the start of training and each logging step (2: the rate
             of the last logging interval).
         separator: between the stage and a metric's name (``train/device/mfu``).
