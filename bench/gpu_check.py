@@ -6,18 +6,15 @@
     BENCH_GPU_PARTS="chaos_ddp generate" python3 -m bench.gpu_check    # some parts again
     BENCH_GPU_DRY=1 python -m bench.gpu_check   # every part on the CPU, tiny sizes: the plumbing (a few minutes)
 
-Each part's function says what it runs; they come in order of value, so a run cut short still gives the most. Each
-has a box (``BOXES``; ``$BENCH_GPU_BOX_<PART>``); what a part leaves goes to the next, and none starts past the budget
-(``$BENCH_GPU_BUDGET``, default the boxes' sum, ``setup`` included). This process is the subreaper of every process
-the parts start and ends what one leaves. Where ``WHEEL_MODULES`` are missing, ``setup`` pip-installs ``.whl/`` into
-``$BENCH_GPU_SITE`` (``/tmp/site``). ``$BENCH_GPU_MAIN_CONFIG``: the main job's config (``configs/mingpt/gpu.yaml``).
-Output: the table, and under ``$OUT`` (else ``runs/bench_gpu``) ``table.md``, ``results.json``, ``logs.tar.gz``; run
-directories under ``$BENCH_GPU_WORK``. Exit status 0 when every part ran and passed.
+The parts come in order of value, so a run cut short still gives the most. What a part leaves of its box (``BOXES``)
+goes to the next; none starts past the boxes' sum. This process is the subreaper of every process the parts start
+and ends what one leaves. Output: the table, and under ``$OUT`` (else ``runs/bench_gpu``) ``table.md``,
+``results.json``, ``logs.tar.gz``. ``$BENCH_GPU_MAIN_CONFIG``: another main job config than gpu.yaml. Exit status 0
+when every part ran and passed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -91,7 +88,6 @@ class Row:
 
 @dataclass
 class Context:
-    python: str
     dry: bool
     work: Path
     logs: Path
@@ -105,14 +101,18 @@ class Context:
         run, clock = self.work / name, self.work / f"{name}.clock"
         shutil.rmtree(run, ignore_errors=True)
         clock.unlink(missing_ok=True)
-        return launch.fit_command(*configs, root=run, clock=clock, args=args, python=self.python), clock
+        return launch.fit_command(*configs, root=run, clock=clock, args=args), clock
 
     def fit_figures(self, name: str, *configs: str, args: list[str], box: float) -> tuple[int, dict[str, Any]]:
-        """Runs :meth:`fit`'s command: its exit status and :func:`fit_figures` (``launched``: its launch)."""
+        """Runs :meth:`fit`'s command: its exit status and figures from its step clock: ``launched``, seconds from
+        then to its first step, mean tokens/s and MFU of the logged points after the first, its last step."""
         cmd, clock = self.fit(name, *configs, args=args)
         launched = time.time()
         rc = self.run(name, cmd, box)
-        return rc, {**fit_figures(clock, launched), "launched": launched}
+        ev = read_clock(clock)
+        return rc, {"events": ev, "launched": launched, "first_step_s": ev["step"][0][0] - launched if ev["step"] else None,
+                    "tokens_per_s": mean_after_first([e[2] for e in ev["tput"]]),
+                    "mfu": mean_after_first([e[3] for e in ev["tput"]]), "steps": int(ev["step"][-1][1]) if ev["step"] else 0}  # fmt: skip
 
     def start(self, name: str, cmd: list[str], box: float, env: dict[str, str] | None = None) -> subprocess.Popen:
         return launch.start_boxed(cmd, box, self.logs / f"{name}.log", env or self.env)
@@ -154,15 +154,6 @@ def mean_after_first(values: list[float]) -> float | None:
     return sum(points) / len(points) if points else None
 
 
-def fit_figures(clock: Path, launched: float) -> dict[str, Any]:
-    """A fit's figures from its step clock: seconds from ``launched`` to its first step, mean tokens/s and MFU of the
-    logged points after the first, its last step."""
-    ev = read_clock(clock)
-    return {"events": ev, "first_step_s": ev["step"][0][0] - launched if ev["step"] else None,
-            "tokens_per_s": mean_after_first([e[2] for e in ev["tput"]]), "mfu": mean_after_first([e[3] for e in ev["tput"]]),
-            "steps": int(ev["step"][-1][1]) if ev["step"] else 0}  # fmt: skip
-
-
 def marks_text(marks: dict[float, float | None]) -> str:
     return f"val/loss {' / '.join(f'{m:g}' for m in marks)} at {' / '.join(fmt(s) for s in marks.values())} s"
 
@@ -188,7 +179,7 @@ def part_setup(ctx: Context, box: float) -> Row:
         gpu = smi.stdout.strip().replace("\n", "; ") or smi.stderr.strip()
     missing = [m for m in WHEEL_MODULES if importlib.util.find_spec(m) is None]
     notes = [gpu]
-    site = os.environ.get("BENCH_GPU_SITE", "/tmp/site")
+    site = "/tmp/site"
     wheels = sorted((REPO / ".whl").glob("*.whl"))
     if missing and wheels:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
@@ -203,22 +194,14 @@ def part_setup(ctx: Context, box: float) -> Row:
     warm = [sys.executable, "-c", "import lit_ddp.cli, torch._inductor.compile_fx"]
     rc = ctx.run("setup_imports", warm, box - (time.monotonic() - t0))
     notes.append(f"imports warmed in {time.monotonic() - t0:.0f} s")
-    notes.append(", ".join([f"Python {sys.version.split()[0]}", *map(version_of, ("torch", "lightning"))]))
+    versions = (f"{name} {importlib.metadata.version(name)}" for name in ("torch", "lightning"))  # no import
+    notes.append(", ".join([f"Python {sys.version.split()[0]}", *versions]))
     return Row("setup", status_of(rc), "; ".join(notes), data={"gpu": gpu, "missing": missing})
-
-
-def version_of(name: str) -> str:
-    """A package's version from its metadata (no import)."""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        return f"{name} {importlib.metadata.version(name)}"
-    return f"no {name}"
 
 
 def part_main(ctx: Context, box: float) -> Row:
     """The GPU main job from a fresh run directory: launch to its first step and to each of ``MARKS``, best val/loss,
     tokens/s, MFU, host syncs and kernel launches per step (:mod:`bench.host_syncs`)."""
-    if not (REPO / ctx.main_config).is_file():
-        return Row("main", "missing config", f"{ctx.main_config} does not exist")
     syncs = ctx.work / "main.syncs.json"  # host syncs per step, kernel launches: bench/host_syncs.py (issue 52)
     syncs.unlink(missing_ok=True)
     args = [*(DRY_MAIN + DRY_MAIN_STEPS if ctx.dry else []), *host_syncs.callback_args(syncs)]
@@ -242,7 +225,7 @@ def part_main(ctx: Context, box: float) -> Row:
 def part_reference(ctx: Context, box: float) -> Row:
     """:mod:`bench.nanogpt_reference` ``--recipe gpu`` stopped at 1.4697: the marks, ms/iter, tokens/s, MFU, and on
     an H100 whether it reproduces nanoGPT's figures within 10 %."""
-    cmd = [ctx.python, "-m", "bench.nanogpt_reference", "--recipe", "gpu", "--stop_at_target"]
+    cmd = [sys.executable, "-m", "bench.nanogpt_reference", "--recipe", "gpu", "--stop_at_target"]
     if ctx.dry:
         cmd += ["--device", "cpu", "--dtype", "float32", "--no-compile", "--n_layer", "2", "--n_head", "2",
                 "--n_embd", "32", "--block_size", "32", "--batch_size", "8", "--max_iters", "40",
@@ -306,9 +289,7 @@ def part_tutorial(ctx: Context, box: float) -> Row:
 
 def part_restart(ctx: Context, box: float) -> Row:
     """:mod:`bench.recovery` on the main job, one GPU: a SIGKILL to the next optimizer step."""
-    if not (REPO / ctx.main_config).is_file():
-        return Row("restart", "missing config", f"{ctx.main_config} does not exist")
-    cmd = [ctx.python, "-m", "bench.recovery", "--faults", "kill", "--nproc_per_node", "1", "--seed", "1",
+    cmd = [sys.executable, "-m", "bench.recovery", "--faults", "kill", "--nproc_per_node", "1", "--seed", "1",
            "--configs", DDP, ctx.main_config, "--log", str(ctx.logs / "restart_job.log")]  # fmt: skip
     rc, out = ctx.result("restart", cmd, box, ("--", "--trainer.devices", "1", *(DRY_MAIN if ctx.dry else [])))
     r = out.get("results", {}).get("kill", {})
@@ -325,7 +306,7 @@ def part_restart(ctx: Context, box: float) -> Row:
 
 def part_determinism(ctx: Context, box: float) -> Row:
     """:mod:`bench.deterministic`, the step alone, with and without deterministic kernels."""
-    cmd = [ctx.python, "-m", "bench.deterministic"]
+    cmd = [sys.executable, "-m", "bench.deterministic"]
     rc, r = ctx.result("determinism", cmd + (["--device", "cpu", "--tiny", "--rounds", "2"] if ctx.dry else []), box)
     figures = (
         f"{r.get('model_type', 'tutorial')} step, {r.get('steps', '-')} steps per mode: default "
@@ -405,7 +386,7 @@ def part_chaos(ctx: Context, box: float, strategy: str, kind: str, name: str) ->
         strategy, TUTORIAL, FAULT_TOLERANT, EXACT, GPU, args=args + (DRY_TUTORIAL if ctx.dry else [])
     )
     # lit-ddp chaos takes the fit's arguments after `--`: fit[4:], those after "python -m lit_ddp fit"
-    cmd = [ctx.python, "-m", "lit_ddp", "chaos", "--launcher", "single", "--faults", "1", "--kinds", kind, "--seed",
+    cmd = [sys.executable, "-m", "lit_ddp", "chaos", "--launcher", "single", "--faults", "1", "--kinds", kind, "--seed",
            "1", "--root", str(root), "--timeout", str(int(box)), "--", *fit[4:]]  # fmt: skip
     rc = ctx.run(name, cmd, box)
     log = ctx.log(name).splitlines()
@@ -427,17 +408,14 @@ def part_generate(ctx: Context, box: float) -> Row:
     if ckpt is None:
         return Row("generate", "no checkpoint", f"none of {', '.join(names)} under {ctx.work} holds last.ckpt")
     device = "cpu" if ctx.dry else "cuda"
-    base = [ctx.python, "-m", "lit_ddp", "generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "200"]
+    base = [sys.executable, "-m", "lit_ddp", "generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "200"]
     t0 = time.monotonic()
     rc = ctx.run("generate", [*base, "--device", device], box)
-    how = f"--device {device}"
-    if rc == 2 and "device" in ctx.log("generate"):  # no such option: the command's own choice
-        how = "no --device option: the command's default device"
-        rc = ctx.run("generate", base, box - (time.monotonic() - t0))
-    text = ctx.log("generate").splitlines()[1:]
-    sample = " ".join(line.strip() for line in text if line.strip())[:60]
     seconds = time.monotonic() - t0
-    figures = f"{ckpt.relative_to(ctx.work)}, {how}, 200 tokens in {seconds:.1f} s (with the launch): {sample!r}"
+    sample = " ".join(line.strip() for line in ctx.log("generate").splitlines()[1:] if line.strip())[:60]
+    figures = (
+        f"{ckpt.relative_to(ctx.work)}, --device {device}, 200 tokens in {seconds:.1f} s (with the launch): {sample!r}"
+    )
     return Row("generate", status_of(rc), figures)
 
 
@@ -472,28 +450,23 @@ def main() -> int:
     except ValueError as e:
         print(f"bench.gpu_check: {e}", file=sys.stderr)
         return 2
-    boxes = sum(BOXES[p][1 if dry else 0] for p in parts)
-    budget = float(os.environ.get("BENCH_GPU_BUDGET", boxes))
-    out = Path(os.environ.get("OUT") or REPO / "runs" / "bench_gpu")
-    work = Path(os.environ.get("BENCH_GPU_WORK") or REPO / "runs" / "bench_gpu" / "work")
+    budget = sum(BOXES[p][int(dry)] for p in parts)
+    out, work = Path(os.environ.get("OUT") or REPO / "runs" / "bench_gpu"), REPO / "runs" / "bench_gpu" / "work"
     logs = work / "logs"
     shutil.rmtree(logs, ignore_errors=True)
     for d in (out, logs):
         d.mkdir(parents=True, exist_ok=True)
     main_config = os.environ.get("BENCH_GPU_MAIN_CONFIG", "configs/mingpt/gpu.yaml")
-    if dry and "BENCH_GPU_MAIN_CONFIG" not in os.environ and not (REPO / main_config).is_file():
-        main_config = "configs/mingpt/cpu.yaml"  # the plumbing, until configs/mingpt/gpu.yaml exists
     env = launch.bench_env(PYTHONUNBUFFERED="1")
     if dry:
         env.setdefault("OMP_NUM_THREADS", "1")  # the dry run's processes share a small CPU: one thread each
-    linger = float(os.environ.get("BENCH_GPU_LINGER_S", 60 if dry else LINGER_S))
-    ctx = Context(sys.executable, dry, work, logs, env, main_config, linger)
+    ctx = Context(dry, work, logs, env, main_config, 60 if dry else LINGER_S)
     launch.become_subreaper()
     print(f"bench.gpu_check: {'DRY RUN on the CPU, ' if dry else ''}parts {' '.join(parts)}; budget {budget:.0f} s; "
           f"logs under {logs}", flush=True)  # fmt: skip
     carry = 0.0
     for part in parts:
-        nominal = float(os.environ.get(f"BENCH_GPU_BOX_{part.upper()}", BOXES[part][1 if dry else 0]))
+        nominal = BOXES[part][int(dry)]
         left = budget - (time.monotonic() - started) - 3  # the table's seconds
         box = min(nominal + carry, left)
         if box < 10:
