@@ -52,7 +52,7 @@ from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path,
 from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
 from lit_ddp.launch.text_check import check_text_data
 from lit_ddp.launch.variables import check_launch_variables
-from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO, is_inside, not_writable, refused_write
+from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO, is_inside, not_writable_error, refused_write
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
@@ -178,7 +178,7 @@ class LitDDPCLI(LightningCLI):
             refused, root = refused_write(e), self.run_root
             if root is None or refused is None or not is_inside(refused.filename, root):
                 raise
-            raise not_writable(refused, os.fsdecode(refused.filename), root) from e
+            raise not_writable_error(refused, os.fsdecode(refused.filename), root) from e
 
     def setup_parser(
         self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]

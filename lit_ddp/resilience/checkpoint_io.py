@@ -72,7 +72,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 if (refused := refused_write(e)) is None:
                     raise
                 directory = os.path.dirname(os.path.abspath(fs_path))
-                raise not_writable(refused, str(path), directory, directory, "checkpoint directory") from e
+                raise not_writable_error(refused, str(path), directory, directory, "checkpoint directory") from e
             return
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
@@ -103,7 +103,7 @@ def is_inside(path: str | os.PathLike | None, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-def not_writable(
+def not_writable_error(
     error: OSError, path: str, directory: str, checkpoint_dir: str | None = None, kind: str = "run directory"
 ) -> RunDirectoryNotWritable:
     """The one-line error for a write at ``path`` in ``directory`` (a run directory, or its ``checkpoint_dir``)
