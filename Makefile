@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-fsdp bench-gpu bench-deterministic bench-launches bench-syncs bench-startup clean \
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-fsdp bench-gpu bench-deterministic bench-launches bench-syncs clean \
 	step1 step2 step3 step4 step5 notebooks
 
 $(BIN)/.installed: pyproject.toml
@@ -112,11 +112,6 @@ bench-launches: venv
 # The GPU main job's host-device syncs per training step, counted on this CPU (a tiny gpu.yaml fit; about a minute).
 bench-syncs: venv
 	$(BIN)/python -m bench.host_syncs $(BENCH_ARGS)
-
-# Seconds from launch to the GPU main job's first optimizer step, part by part, for each compile choice (eager, per
-# block, whole model), and the estimate to val/loss 1.4697 (about 5 minutes on this CPU; --accelerator gpu on a GPU).
-bench-startup: venv
-	$(BIN)/python -m bench.startup $(BENCH_ARGS)
 
 # FSDP2 against DDP: bytes per rank (tutorial-size GPT, 1 and 2 processes) and step time side by side (~10 min).
 bench-fsdp: venv

@@ -69,17 +69,16 @@ def yaml_settings(*configs: str) -> dict[str, dict[str, Any]]:
     return merged
 
 
-def recipe_model(*configs: str, compile: bool | str = False, device: str = "cpu") -> tuple[Any, torch.optim.Optimizer]:
-    """The ``GPTModule`` the YAMLs configure (default gpu.yaml's; seed 0, train mode, ``compile`` as given) on
-    ``device`` and the optimizer its recipe builds from the module's hyperparameters
-    (:func:`lit_ddp.recipe.build_optimizer`)."""
+def recipe_model(*configs: str, device: str = "cpu") -> tuple[Any, torch.optim.Optimizer]:
+    """The ``GPTModule`` the YAMLs configure (default gpu.yaml's; seed 0, train mode, eager) on ``device`` and the
+    optimizer its recipe builds from the module's hyperparameters (:func:`lit_ddp.recipe.build_optimizer`)."""
     from lit_ddp.data.char import build_vocab
     from lit_ddp.recipe import build_optimizer
     from lit_ddp.tasks.mingpt import GPTModule
 
     settings = yaml_settings(*(configs or (GPU_YAML,)))
     torch.manual_seed(0)
-    module = GPTModule(**{**settings["model"], "compile": compile}, block_size=settings["data"]["block_size"],
+    module = GPTModule(**{**settings["model"], "compile": False}, block_size=settings["data"]["block_size"],
                        vocab=build_vocab(VOCAB))  # fmt: skip
     module = module.to(device).train()
     hp = module.hparams
