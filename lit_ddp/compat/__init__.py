@@ -17,12 +17,12 @@
 
 Each function names what it works around (an upstream issue or PR where there is one); a workaround of a bug states
 the torch or Lightning versions known to have it and turns itself off where a version has fixed it (by a version
-flag, or by checking the state it mends). ``tests/unit/test_compat.py`` checks on any version that each internal
-is still there and whether each bug still is; ``make test-torch TORCH=X`` runs it on another torch, and
-docs/development.md tabulates the workarounds and their versions. Private names are imported inside the function
-that uses them (:func:`~lit_ddp.compat.imports.private`): a version that renames one fails that function, naming
-the version and what is missing, and not every command at import. Nothing else in the package touches another
-object's ``_private`` attribute.
+flag, or by checking the state it mends). ``tests/unit/test_compat.py`` (torchft's: ``test_torchft_compat.py``)
+checks on any version that each internal is still there and whether each bug still is; ``make test-torch TORCH=X``
+runs it on another torch, and docs/development.md tabulates the workarounds and their versions. Private names are
+imported inside the function that uses them (:func:`~lit_ddp.compat.imports.private`): a version that renames one
+fails that function, naming the version and what is missing, and not every command at import. Nothing else in the
+package touches another object's ``_private`` attribute.
 """
 
 from lit_ddp.compat.checkpoints import (
@@ -52,15 +52,20 @@ from lit_ddp.compat.loops import (
     LIGHTNING_RECOUNTS_EPOCH_END,
     batches_that_stepped,
     fix_last_batch_restart,
+    loop_progress,
+    next_train_batch,
     optimizer_steps,
+    reposition_train_loaders,
     restore_loop_position,
     restore_train_loaders,
     set_batches_that_stepped,
+    set_loop_progress,
     set_optimizer_steps,
     should_accumulate,
     show_resumed_epoch,
     train_loader_states,
     train_loaders,
+    uncount_batch,
     undo_epoch_end_recount,
     validation_due,
 )
@@ -132,14 +137,18 @@ __all__ = [
     "is_strided_shard",
     "last_saved_step",
     "log_metrics",
+    "loop_progress",
+    "next_train_batch",
     "optimizer_steps",
     "process_group_backend",
     "rekey_optimizer_states_by_groups",
     "pending_train_step_log",
     "restore_loop_position",
+    "reposition_train_loaders",
     "restore_train_loaders",
     "save_last_checkpoint",
     "set_batches_that_stepped",
+    "set_loop_progress",
     "set_model_parallel_sizes",
     "set_optimizer_steps",
     "set_process_group_timeout",
@@ -165,6 +174,7 @@ __all__ = [
     "torch_muon_is_batched",
     "train_loader_states",
     "train_loaders",
+    "uncount_batch",
     "undo_epoch_end_recount",
     "validation_due",
     "wait_for_async_writes",

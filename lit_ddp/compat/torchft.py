@@ -11,8 +11,8 @@ and the survivor's process dies with the peer. :func:`fault_tolerant_ddp` instal
 future holding the bucket instead; the error stays recorded on the manager, so ``should_commit()`` is False and the
 step's gradients are discarded, as torchft intends. No upstream issue or pull request was found for it (searched
 2026-11: torchft issues, "ddp comm hook assert fut._fut"); it is known on torchft 0.2.0, and the hook mends only a
-future that is missing, so it does nothing once torchft sets one. ``tests/unit/test_compat.py`` shows whether the
-stock hook still fails (:func:`stock_hook_survives_failed_allreduce`).
+future that is missing, so it does nothing once torchft sets one. ``tests/unit/test_torchft_compat.py`` shows
+whether the stock hook still fails (:func:`stock_hook_survives_failed_allreduce`).
 
 torchft is an optional extra (``pip install -e ".[torchft]"``): it is imported inside the functions, never here.
 """
