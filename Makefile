@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-fsdp bench-gpu bench-deterministic bench-launches bench-syncs clean \
+.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-fsdp bench-gpu bench-launches bench-syncs clean \
 	step1 step2 step3 step4 step5 notebooks
 
 $(BIN)/.installed: pyproject.toml
@@ -98,11 +98,6 @@ bench-speed: venv
 # Seconds from a killed or hung worker to the first optimizer step after torchrun's restart (about 2 minutes).
 bench-recovery: venv
 	$(BIN)/python -m bench.recovery $(BENCH_ARGS)
-
-# What trainer.deterministic (configs/checkpoint/exact.yaml) costs lit-ddp fit on 2 CPU processes: tokens/s with
-# and without it, fits launched in alternation (about 5 minutes; the GPU figure: the step alone, bench.gpu_check).
-bench-deterministic: venv
-	$(BIN)/python -m bench.deterministic --fits --rounds 4 $(BENCH_ARGS)
 
 # The GPU main job's kernel launches counted on this CPU: aten ops and ms per optimizer step and per training step of
 # gpu.yaml's model, torch's Muon against BatchedMuon (about a minute).
