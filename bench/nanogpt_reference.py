@@ -1,14 +1,10 @@
-"""The reference the main job is timed against: nanoGPT's Shakespeare-char recipes as a plain single-process
-PyTorch loop (no Lightning: a plain loop's start-up), on the CPU (``--recipe cpu``) or a GPU (``--recipe gpu``).
-
-``cpu``: nanoGPT's README "baby GPT" on a CPU (4 x 4 x 128, context 64, 12 windows, eval_iters 20, 2000 iterations,
-dropout 0); ``gpu``: ``config/train_shakespeare_char.py`` on one GPU, 2000 iterations (6 x 6 x 384, context 256, 64
-windows, dropout 0.2, 200 eval batches; bf16 autocast, ``torch.compile``, fused AdamW, TF32, pinned batches), val
-loss 1.4697 in nanoGPT's README. Written from nanoGPT's facts (``prepare.py``, ``get_batch``, ``get_lr``,
-``estimate_loss``, ``configure_optimizers``) with :mod:`lit_ddp.models.gpt`'s model (no biases), not from
-:mod:`lit_ddp.recipe`; left out: checkpoint writes, progress prints, the step after the final evaluation. Times are
-seconds since the process started; iteration time from the intervals between evaluations after the first; MFU
-against :func:`bench.harness.measure.peak_flops`.
+"""The reference the main job is timed against: nanoGPT's Shakespeare-char recipes (:data:`RECIPES`: its README's
+"baby GPT" on a CPU; ``config/train_shakespeare_char.py`` on one GPU, val loss 1.4697 in its README, with bf16
+autocast, ``torch.compile``, fused AdamW, TF32, pinned batches) as a plain one-process PyTorch loop, no Lightning.
+Written from nanoGPT's facts (``prepare.py``, ``get_batch``, ``get_lr``, ``estimate_loss``, ``configure_optimizers``)
+with :mod:`lit_ddp.models.gpt`'s model (no biases), not from :mod:`lit_ddp.recipe`; left out: checkpoint writes,
+progress prints, the step after the final evaluation. Times are seconds since the process started; iteration time
+from the intervals between evaluations after the first.
 
     nice -n 10 .venv/bin/python -m bench.nanogpt_reference --target 1.886
     python -m bench.nanogpt_reference --recipe gpu --stop_at_target --json /tmp/reference.json
@@ -21,6 +17,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,41 +74,31 @@ def get_lr(it: int, learning_rate: float, min_lr: float, warmup_iters: int, lr_d
     return min_lr + coeff * (learning_rate - min_lr)
 
 
-# The two recipes' sizes and evaluation batches; everything else is shared (see the module docstring).
-RECIPES: dict[str, dict[str, int | float]] = {
+# What the two recipes set (each an option that overrides it); the rest is shared. 2000 iterations each.
+RECIPES: dict[str, dict[str, Any]] = {
     "cpu": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12, "dropout": 0.0,
-            "eval_iters": 20, "target": 1.886},
+            "eval_iters": 20, "target": 1.886, "device": "cpu", "dtype": "float32", "compile": False},
     "gpu": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "batch_size": 64, "dropout": 0.2,
-            "eval_iters": 200, "target": 1.4697},
+            "eval_iters": 200, "target": 1.4697, "device": "cuda", "dtype": "bfloat16", "compile": True},
 }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = arguments(__doc__, json_help="also write the evaluations here")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="cpu", help="nanoGPT's CPU or GPU recipe")
-    parser.add_argument("--target", type=float, default=None, help="report when val loss first reaches this")
     parser.add_argument("--max_iters", type=int, default=2000, help="iterations (and lr_decay_iters)")
     parser.add_argument("--eval_interval", type=int, default=250)
-    parser.add_argument("--eval_iters", type=int, default=None, help="batches per split and evaluation")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--stop_at_target", action="store_true", help="end at the first evaluation <= --target")
-    parser.add_argument("--device", default=None, help="default: cuda for --recipe gpu, else cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="autocast dtype (default: bfloat16 for --recipe gpu; float32: no autocast)")  # fmt: skip
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the model (default: on for --recipe gpu)")  # fmt: skip
-    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size"):
-        parser.add_argument(f"--{name}", type=int, default=None, help="overrides the recipe's (smoke tests)")
+    for name, value in RECIPES["gpu"].items():  # --target: report when val loss first reaches it; float32: no autocast
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(value, bool) else {"type": type(value)}
+        parser.add_argument(f"--{name}", default=None, help="overrides the recipe's", **kind)
     args = parser.parse_args(argv)
-    recipe = dict(RECIPES[args.recipe])
-    recipe.update({k: v for k in recipe if (v := getattr(args, k, None)) is not None})
-    gpu = args.recipe == "gpu"
-    device = torch.device(args.device or ("cuda" if gpu else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
-    compiled = gpu if args.compile is None else args.compile
-    target = float(recipe["target"])
-    block_size, batch_size, eval_iters = int(recipe["block_size"]), int(recipe["batch_size"]), int(recipe["eval_iters"])
+    recipe = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in RECIPES[args.recipe].items()}
+    device, dtype, compiled = torch.device(recipe["device"]), getattr(torch, recipe["dtype"]), recipe["compile"]
+    target, eval_iters = recipe["target"], recipe["eval_iters"]
+    block_size, batch_size = recipe["block_size"], recipe["batch_size"]
 
     torch.set_num_threads(args.threads)
     if device.type == "cuda":
@@ -120,26 +107,17 @@ def main(argv: list[str] | None = None) -> dict:
     lr, min_lr, warmup, beta2, weight_decay, grad_clip = 1e-3, 1e-4, 100, 0.99, 0.1, 1.0
     torch.manual_seed(args.seed)
     vocab, train, val = load_splits()
-    sizes = {k: int(recipe[k]) for k in ("n_layer", "n_head", "n_embd")}
-    config = GPTConfig(
-        **sizes, block_size=block_size, vocab_size=len(vocab), bias=False, dropout=float(recipe["dropout"])
-    )
-    raw_model = GPT(config).to(device)
+    sizes = {k: recipe[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout")}
+    raw_model = GPT(GPTConfig(**sizes, vocab_size=len(vocab), bias=False)).to(device)
     params = [p for p in raw_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(  # nanoGPT's GPT.configure_optimizers: decay the 2-D tensors only; fused on CUDA
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=lr,
-        betas=(0.9, beta2),
-        **({"fused": True} if device.type == "cuda" else {}),
-    )
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    # nanoGPT's GPT.configure_optimizers: decay the 2-D tensors only; fused on CUDA
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, beta2), fused=device.type == "cuda")
     model = torch.compile(raw_model) if compiled else raw_model
-    autocast = dtype != torch.float32
 
     def ctx() -> torch.autocast:
-        return torch.autocast(device.type, dtype=dtype, enabled=autocast)
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def evaluate(data: torch.Tensor) -> float:
         with ctx():
