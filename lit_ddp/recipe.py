@@ -49,15 +49,12 @@ def muon_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
 class OptimizerChain(torch.optim.Optimizer):
     """One ``torch.optim.Optimizer`` over several: ``step`` runs the closure once, then each optimizer's step.
 
-    Lightning's automatic optimization takes one optimizer and ``torch.optim.Muon`` only takes matrices; torch has
-    no combined optimizer, and torchtitan's ``OptimizersContainer`` is no ``Optimizer``, which Lightning and the LR
-    schedulers require. ``param_groups`` are the optimizers' own group dicts, so a scheduler drives all of them;
-    ``state`` is the union of their states; ``state_dict`` is torch's format over all of them, which torch's
-    distributed state dict (FSDP2's) maps to parameter names. Step hooks run around the whole step.
-
-    Raises:
-        ValueError: no optimizer or a parameter in two of them (at construction); a state of other parameter
-            groups (``load_state_dict``).
+    Lightning's automatic optimization takes one optimizer and ``torch.optim.Muon`` only matrices; torch has no combined
+    optimizer, and torchtitan's ``OptimizersContainer`` is no ``Optimizer``, which Lightning and the LR schedulers
+    require. ``param_groups`` are the optimizers' own group dicts, so a scheduler drives all of them; ``state`` is their
+    union; ``state_dict`` is torch's format over all of them (FSDP2's distributed state dict maps it to names). Step
+    hooks run around the whole step. Raises ValueError for no optimizer, a parameter in two of them, or a state of other
+    parameter groups to load.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:

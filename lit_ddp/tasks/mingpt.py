@@ -22,10 +22,9 @@ from lit_ddp.recipe import OPTIMIZERS, build_optimizer, check_schedule, warmup_c
 class GPTModule(LightningModule):
     """Trains :class:`~lit_ddp.models.gpt.GPT` on next-character prediction.
 
-    The GPT is built once the vocabulary is known: at construction from ``vocab`` (a checkpoint's), else in
-    ``configure_model`` after ``setup`` has taken the datamodule's. A datamodule's vocabulary replaces ``vocab`` at
-    ``setup`` (a checkpoint of another one is refused as it loads), and goes into every checkpoint. Logged:
-    ``train/loss`` (mean over ranks, on the steps the logger writes), ``val/loss`` (nats per character, a
+    The GPT is built once the vocabulary is known: from ``vocab`` (a checkpoint's), else from the datamodule's at
+    ``setup``, which replaces ``vocab`` (a checkpoint of another is refused as it loads) and goes into every checkpoint.
+    Logged: ``train/loss`` (mean over ranks, on the steps the logger writes), ``val/loss`` (nats per character, a
     token-weighted mean over all ranks) and ``val/ppl``. ``flops_per_batch`` feeds Lightning's ThroughputMonitor.
 
     Args:
@@ -55,9 +54,7 @@ class GPTModule(LightningModule):
             every block reuses); False: eager. Validation and sampling run eagerly (no graph per batch shape).
 
     Raises:
-        ValueError: an unknown preset or optimizer, or an invalid size, rate or schedule; at ``setup``, no
-            vocabulary (neither ``vocab`` nor the datamodule's); loading a checkpoint whose vocabulary is not the
-            data's.
+        ValueError: an unknown preset or optimizer; a bad size, rate or schedule; no vocabulary, or another's at load.
     """
 
     def __init__(
