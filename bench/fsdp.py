@@ -11,9 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,8 +21,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from bench.harness import turns
-from bench.harness.launch import NO_VALIDATION, QUIET, fit_command, free_port, without_samples
-from bench.harness.measure import markdown_table
+from bench.harness.launch import NO_VALIDATION, QUIET, fit_command, free_port, gloo_group, without_samples
+from bench.harness.measure import arguments, markdown_table, write_json
 from lit_ddp.models.gpt import GPT, Block, GPTConfig
 from lit_ddp.models.parallelize import shard
 from lit_ddp.recipe import build_optimizer
@@ -81,9 +78,7 @@ class CollectiveCounter:
 
 
 def _memory_worker(rank: int, world_size: int, strategy: str, port: int, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_group(rank, world_size, port):
         torch.manual_seed(0)
         model: nn.Module = GPT(GPTConfig.from_preset("tutorial", vocab_size=VOCAB_SIZE, block_size=128))
         if strategy == "fsdp":
@@ -100,8 +95,6 @@ def _memory_worker(rank: int, world_size: int, strategy: str, port: int, out: An
             loss.backward()
         optimizer.step()
         out.put((rank, {"held": held_bytes(model, optimizer), "calls": counter.calls, "bytes": counter.bytes}))
-    finally:
-        dist.destroy_process_group()
 
 
 def measure(strategy: str, world_size: int) -> dict[str, Any]:
@@ -135,15 +128,12 @@ def step_time_ratio(size: str, steps: int, warmup: int, slice_s: float, timeout:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arguments(__doc__, json_help="write the figures here")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per side, gpt-nano")
     parser.add_argument("--tutorial_steps", type=int, default=120, help="optimizer steps per side, tutorial size")
-    parser.add_argument("--warmup", type=int, default=10, help="first steps of each side left out")
-    parser.add_argument("--slice_s", type=float, default=2.0, help="seconds each side runs before they swap")
-    parser.add_argument("--tutorial_slice_s", type=float, default=12.0, help="the same at the tutorial's size")
+    turns.add_arguments(parser, warmup=10, slice_s=2.0)
+    parser.add_argument("--tutorial_slice_s", type=float, default=12.0, help="--slice_s at the tutorial's size")
     parser.add_argument("--parts", nargs="+", default=["memory", "gpt-nano", "tutorial"], help="what to measure")
-    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before both sides are killed")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
 
     figures: dict[str, Any] = {"memory": {}, "step_time": {}}
@@ -157,8 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary = step_time_ratio(size, steps, args.warmup, slice_s, args.timeout)
             figures["step_time"][size] = summary
             print(f"{size}: FSDP2 / DDP step time, 2 processes, turns of {slice_s:g} s: {turns.describe(summary)}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=1, default=str))
+    write_json(args.json, figures)
     return figures
 
 
