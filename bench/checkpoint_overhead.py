@@ -17,9 +17,8 @@ from pathlib import Path
 from bench.harness.callback import StepClock
 from bench.harness.clock import read_clock
 from bench.harness.launch import QUIET, REPO, fit_command
-from bench.harness.measure import alternate, markdown_table, timing
+from bench.harness.measure import alternate, arguments, markdown_table, timing, write_json
 from lit_ddp.cli import LitDDPCLI
-from lit_ddp.data.sources import DATA_ENV
 
 # The configs as `make train` composes them (the Makefile's CONFIGS); the run below makes it one process.
 CONFIGS = ("configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml")
@@ -32,15 +31,13 @@ VARIANTS = {  # the checkpoint IO plugin, or under --sharded FSDP2Strategy's asy
 
 
 def run_variant(name: str, steps: int, every: int, root: Path, ns: argparse.Namespace) -> dict[str, float]:
-    """One training run of ``steps`` optimizer steps (on the text at ``ns.data``; None: ``$LIT_DDP_DATA``, else the
-    embedded Tiny Shakespeare); returns its times (seconds) and save count."""
+    """One training run of ``steps`` optimizer steps: its times (seconds) and save count."""
     plugin, async_save = VARIANTS[name]
     args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), *QUIET,
             "--trainer.limit_val_batches", "0",  # so the text samples are off too
             "--checkpoint.monitor", "step", "--checkpoint.mode", "max", "--checkpoint.save_top_k", "3",
             "--checkpoint.every_n_epochs", "0",
             *(["--model.init_args.optimizer", "adamw"] if ns.sharded else ["--trainer.strategy", "auto"]),
-            *(["--data.init_args.path", ns.data] if ns.data else []),
             *(["--model.init_args.model_type", "tutorial", "--data.init_args.batch_size", "4"] if ns.tutorial else [])]  # fmt: skip
     if plugin is None:
         args += ["--checkpoint.every_n_train_steps", "0", "--checkpoint.save_last", "false"]
@@ -69,15 +66,14 @@ def run_variant(name: str, steps: int, every: int, root: Path, ns: argparse.Name
 
 def _size(path: Path) -> int:
     """Bytes of a checkpoint: a file, or a sharded checkpoint's directory."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+    return sum(p.stat().st_size for p in [path, *path.rglob("*")] if p.is_file())
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     parser.add_argument("--every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the three variants")
-    parser.add_argument("--data", default=None, help=f"text path or URL (default: ${DATA_ENV}, else the embedded text)")
     parser.add_argument("--sharded", action="store_true", help="FSDP2's sharded checkpoints: DCP, sync vs async_save")
     parser.add_argument("--tutorial", action="store_true", help="the tutorial's GPT (8 x 8 x 512, 4 windows a step)")
     ns = parser.parse_args(argv)
@@ -111,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         vs_none = 100 * (train - base_train) / base_train
         rows.append([name, f"{train:.2f}", saves, f"{blocked:.3f}", f"{100 * blocked / train:.2f}", f"{vs_none:.2f}"])
     print(markdown_table(["variant", "train s", "saves", "blocked s", "blocked %", "vs none %"], rows))
+    write_json(ns.json, results)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,12 @@
-"""Host-device synchronizations of the GPU main job's training steps, counted on a CPU (issue 52; docs/speed.md,
-"Host syncs"): gpu.yaml's steps should wait on the device only on the steps that log, save or validate.
+"""Host-device synchronizations of the GPU main job's training steps, counted on a CPU (docs/speed.md, "Host
+syncs"): gpu.yaml's steps should wait on the device only on the steps that log, save or validate.
 
-A CPU has no device to wait for, so :class:`HostSyncs` counts what would synchronize on one: the tensors marked as on
-the device (:meth:`HostSyncs.mark`: parameters, buffers, each batch) and every tensor an aten op computes from one are
-device tensors; a sync is an aten op of :data:`SYNC_OPS` (or boolean-mask indexing) on one, its ``.tolist`` /
-``.numpy`` / ``.cpu``, or a blocking copy of host data to the device (``torch.tensor(data, device=<torch.device>)``, a
-host tensor's ``.to(device)`` without ``non_blocking``; Lightning's batch transfer passes ``non_blocking`` on CUDA).
-Not seen: ``.to("cpu")`` of a device tensor, factory functions on the device. :class:`StepSyncs` books each sync and
-aten op on a device tensor to its training step; on CUDA it counts ``torch.cuda.set_sync_debug_mode("warn")``'s
-warnings instead.
+:class:`HostSyncs` counts what would synchronize on a GPU: device tensors are those marked (:meth:`HostSyncs.mark`:
+parameters, buffers, each batch) and what an aten op computes from one; a sync is an op of :data:`SYNC_OPS` (or
+boolean-mask indexing) on one, its ``.tolist`` / ``.numpy`` / ``.cpu``, or a blocking copy of host data to the device
+(``torch.tensor(data, device=<torch.device>)``, ``.to(device)`` without ``non_blocking``). Not seen: ``.to("cpu")``,
+factory functions on the device. :class:`StepSyncs` books them to each training step (on CUDA:
+``torch.cuda.set_sync_debug_mode("warn")``'s warnings).
 
     python -m bench.host_syncs        # a tiny gpu.yaml fit on this CPU, the syncs and aten ops of each step
 """
@@ -34,7 +32,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils._pytree import tree_leaves
 
-from bench.harness.launch import REPO, fit_command
+from bench.harness.launch import REPO
+from bench.harness.measure import markdown_table
 from bench.harness.ops import AtenOps
 from lit_ddp import compat
 
@@ -278,7 +277,7 @@ class StepSyncs(Callback):
         if phase is None:
             return
         if self.counter is not None:
-            syncs, ops, where = self.counter.syncs.pop(phase, 0), self.counter.ops.pop(phase, 0), []
+            syncs, ops = self.counter.syncs.pop(phase, 0), self.counter.ops.pop(phase, 0)
             where = self.counter.where.pop(phase, [])
             self.counter.phase = None
         else:
@@ -351,7 +350,6 @@ class StepSyncs(Callback):
         self._start(None)
 
     def quiet_steps(self) -> list[Step]:
-        """The steps that neither log, save nor validate."""
         return [s for s in self.steps.values() if s.quiet]
 
 
@@ -395,11 +393,9 @@ def count_fit(args: list[str], root: str, from_step: int = 1) -> StepSyncs:
 
 def gpu_job_args(max_steps: int = 12, log_every_n_steps: int = 5, val_check_interval: int = 10) -> list[str]:
     """The tiny gpu.yaml fit's arguments (:data:`TINY_GPU_JOB`) after the DDP fragment, on this CPU."""
-    steps = ["--trainer.max_steps", str(max_steps), "--trainer.log_every_n_steps", str(log_every_n_steps)]
-    configs = (str(REPO / "configs/trainer/ddp.yaml"), str(REPO / "configs/mingpt/gpu.yaml"))
-    return fit_command(*configs, args=[*TINY_GPU_JOB, *steps, "--trainer.val_check_interval", str(val_check_interval)])[
-        4:
-    ]
+    configs = [a for c in ("configs/trainer/ddp.yaml", "configs/mingpt/gpu.yaml") for a in ("--config", str(REPO / c))]
+    steps = {"max_steps": max_steps, "log_every_n_steps": log_every_n_steps, "val_check_interval": val_check_interval}
+    return [*configs, *TINY_GPU_JOB, *(a for k, v in steps.items() for a in (f"--trainer.{k}", str(v)))]
 
 
 def main(argv: list[str] | None = None) -> StepSyncs:
@@ -413,20 +409,16 @@ def main(argv: list[str] | None = None) -> StepSyncs:
     with tempfile.TemporaryDirectory() as root:
         job = gpu_job_args(args.max_steps, args.log_every_n_steps, args.val_check_interval)
         counted = count_fit([*job, *fit_args], root, args.from_step)
-    print("| step | logs | saves | validates | host syncs | aten ops on device tensors |")
-    print("|---:|:-:|:-:|:-:|---:|---:|")
-    for s in counted.steps.values():
-        yes = {True: "yes", False: ""}
-        print(f"| {s.step} | {yes[s.logs]} | {yes[s.saves]} | {yes[s.validates]} | {s.syncs} | {s.ops} |")
-        if args.where:
-            for line, n in collections.Counter(s.where).items():
-                print(f"|  | | | | {n} x {line} | |")
-    quiet = counted.quiet_steps()
-    print(f"host syncs per step that neither logs, saves nor validates: {[s.syncs for s in quiet]}")
+    rows = [[s.step, *("yes" if f else "" for f in (s.logs, s.saves, s.validates)), s.syncs, s.ops]
+            for s in counted.steps.values()]  # fmt: skip
+    print(markdown_table(["step", "logs", "saves", "validates", "host syncs", "aten ops on device tensors"], rows))
+    print(f"host syncs per step that neither logs, saves nor validates: {[s.syncs for s in counted.quiet_steps()]}")
     for s in counted.steps.values():
         if s.syncs:
             lightnings = sum("at lightning/" in w for w in s.where)
             print(f"step {s.step}: {s.syncs - lightnings} host syncs of ours, {lightnings} of Lightning's")
+            for line, n in collections.Counter(s.where).items() if args.where else ():
+                print(f"    {n} x {line}")
     print(f"validation: {counted.validation} host syncs after the steps named")
     return counted
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from bench.harness.clock import ClockFile, job_figures, read_clock, step_seconds
+from bench.harness.clock import ClockFile, job_figures, read_clock
 from bench.harness.launch import free_port, gloo_group
 from bench.harness.measure import arguments, write_json
 from bench.harness.ops import recipe_model, train_step, yaml_settings
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         train_loop(0, 1, args, cores, procs * batch_size)
     events = read_clock(args.clock)
-    times = step_seconds(events, warmup=min(30, args.steps // 3))
+    times = [b - a for a, b in events["span"][min(30, args.steps // 3) :]]  # after the warm-up
     result = job_figures(events["job"][0][1:], statistics.mean(times))
     print(f"{args.mode}: {1e3 * result['mean_step_s']:.1f} ms/step, {result['tokens_per_s']:,.0f} tokens/s")
     write_json(args.json, result)

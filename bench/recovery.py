@@ -1,9 +1,5 @@
-"""Time to recover from a fault under torchrun: from the fault to the first optimizer step after it (docs/
-fault_tolerance.md, "What a restart costs").
-
-    python -m bench.recovery [--faults kill hang node] [--timeout 30]      (make bench-recovery)
-    python -m bench.recovery --faults kill --nproc_per_node 1 --configs configs/trainer/ddp.yaml \
-        configs/mingpt/gpu.yaml --json restart.json                          (the GPU main job: bench.gpu_check)
+"""Time to recover from a fault under torchrun: from the fault to the first optimizer step after it (``make
+bench-recovery``; docs/fault_tolerance.md, "What a restart costs"; the GPU check's restart part).
 
 Runs the README's fault-tolerant regression step (``torchrun --standalone --nproc_per_node 2 --max-restarts 1``;
 ``--configs``, ``--nproc_per_node`` and fit arguments after ``--``: another job) and, 3-6 s into training, injects one
@@ -15,6 +11,7 @@ workers' start, and the steps repeated.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import random
@@ -25,17 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.harness import launch
 from bench.harness.clock import read_clock
-from bench.harness.launch import (
-    QUIET,
-    REPO,
-    become_subreaper,
-    bench_env,
-    clock_args,
-    end_leftovers,
-    fit_command,
-    free_port,
-)
 from bench.harness.measure import arguments, markdown_table, write_json
 from lit_ddp.chaos.job import workers
 
@@ -54,40 +42,31 @@ def clock_of(clock: Path) -> tuple[list[tuple[float, int]], list[tuple[float, in
 
 
 def measure(
-    fault: str,
-    timeout_s: int,
-    rng: random.Random,
-    work: Path,
-    last_call: int = 30,
-    keep_alive: int = 5,
-    configs: list[str] | None = None,
-    nproc_per_node: int = 2,
-    fit_args: list[str] | None = None,
-    log: Path | None = None,
+    fault: str, args: argparse.Namespace, rng: random.Random, work: Path, fit_args: list[str]
 ) -> dict[str, float]:
-    """One ``fault`` into the job of ``configs`` (default: :data:`CONFIGS`) under torchrun, ``nproc_per_node``
-    workers (``node``: two agents of one worker each), ``fit_args`` appended, the job's output appended to ``log``
-    (None: discarded); the seconds of the module docstring."""
+    """One ``fault`` into the job of ``args.configs`` under torchrun, ``args.nproc_per_node`` workers (``node``: two
+    agents of one worker each), ``fit_args`` appended, the job's output appended to ``args.log`` (None: discarded);
+    the seconds of the module docstring."""
+    timeout_s, log = args.timeout, args.log
     clock = work / "clock"
     if fault == "node":  # two agents of one process each, the README's multinode row made elastic
-        port = free_port()
-        launch = ["--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_id", f"bench{port}",
+        port = launch.free_port()
+        torchrun = ["--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_id", f"bench{port}",
                   "--rdzv_endpoint", f"127.0.0.1:{port}",
-                  "--rdzv_conf", f"last_call_timeout={last_call},keep_alive_interval={keep_alive}"]  # fmt: skip
+                  "--rdzv_conf", f"last_call_timeout={args.last_call},keep_alive_interval={args.keep_alive}"]  # fmt: skip
     else:
-        launch = ["--standalone", "--nproc_per_node", str(nproc_per_node)]
-    args = ["--trainer.max_epochs", "-1", "--trainer.max_steps", "10000000",
-            "--trainer.strategy.init_args.timeout", f"0:00:{timeout_s:02d}", *QUIET, *(fit_args or []),
-            *clock_args(clock, every_rank=True)]  # fmt: skip
-    cmd = fit_command(*(configs or CONFIGS), root=work / "run", torchrun=[*launch, "--max-restarts", "1"], args=args)
-    env = bench_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as the README's command
-    become_subreaper()
+        torchrun = ["--standalone", "--nproc_per_node", str(args.nproc_per_node)]
+    fit = ["--trainer.max_epochs", "-1", "--trainer.max_steps", "10000000",
+           "--trainer.strategy.init_args.timeout", f"0:00:{timeout_s:02d}", *launch.QUIET, *fit_args,
+           *launch.clock_args(clock, every_rank=True)]  # fmt: skip
+    cmd = launch.fit_command(*args.configs, root=work / "run", torchrun=[*torchrun, "--max-restarts", "1"], args=fit)
+    env = launch.bench_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as the README's command
+    launch.become_subreaper()
     agents = []
     output = log.open("a") if log else subprocess.DEVNULL
     for _ in range(2 if fault == "node" else 1):
-        agents.append(
-            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-        )
+        agents.append(subprocess.Popen(cmd, cwd=launch.REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                       start_new_session=True))  # fmt: skip
         time.sleep(2)  # the first agent hosts the rendezvous store: it is not the node that is lost
     agent = agents[0]
     try:
@@ -129,7 +108,7 @@ def measure(
                 os.killpg(a.pid, signal.SIGKILL)
         for a in agents:
             a.wait()
-        end_leftovers()  # the workers: sessions of their own, orphaned to this subreaper
+        launch.end_leftovers()  # the workers: sessions of their own, orphaned to this subreaper
         if log:
             output.close()
 
@@ -161,8 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for fault in args.faults:
         with tempfile.TemporaryDirectory() as tmp:
-            r = measure(fault, args.timeout, rng, Path(tmp), args.last_call, args.keep_alive, args.configs,
-                        args.nproc_per_node, fit_args, args.log)  # fmt: skip
+            r = measure(fault, args, rng, Path(tmp), fit_args)
         results[fault] = r
         row = [fault, *(f"{r[k]:.1f}" for k in ("recovery", "to_restart", "start_to_step")), f"{r['repeated']:.0f}"]
         print(markdown_table(COLUMNS, [row]).splitlines()[-1], flush=True)

@@ -87,8 +87,3 @@ def job_figures(job: tuple[float, ...], step_s: float, peak: float | None = None
     if peak:
         out.update(peak_flops_per_proc=peak, mfu=flops_per_token * out["tokens_per_s"] / procs / peak)
     return out
-
-
-def step_seconds(events: Events, warmup: int = 0) -> list[float]:
-    """The seconds of each step after the first ``warmup``."""
-    return [b - a for a, b in events["span"][warmup:]]
