@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from bench.harness.clock import ClockFile, job_figures, read_clock
-from bench.harness.launch import free_port, gloo_group
+from bench.harness.launch import free_port, gloo_group, yaml_settings
 from bench.harness.measure import arguments, write_json
-from bench.harness.ops import recipe_model, train_step, yaml_settings
+from bench.harness.ops import recipe_model, train_step
 from lit_ddp.data.char import CharWindows, build_vocab, encode
 from lit_ddp.data.sources import read_embedded_text
 from lit_ddp.recipe import warmup_cosine_schedule

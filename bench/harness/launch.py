@@ -34,16 +34,23 @@ def clock_args(path: Path | str, every_rank: bool = False) -> list[str]:
     return args + (["--trainer.callbacks.init_args.every_rank=true"] if every_rank else [])
 
 
-def without_samples(*configs: str) -> str:
-    """``--trainer.callbacks=[...]``: the YAMLs' callbacks (a later file's list replaces an earlier one's, as in
-    jsonargparse) without the text samples, which a timed run leaves out."""
+def yaml_settings(*configs: str) -> dict[str, dict[str, Any]]:
+    """The ``model`` and ``data`` init_args and the ``trainer`` settings of the YAMLs, a later file's over an
+    earlier's (a list, such as the callbacks, replaced whole, as ``--config`` composes them)."""
     import yaml
 
-    callbacks: list[dict[str, Any]] = []
-    for config in configs:
-        callbacks = ((yaml.safe_load((REPO / config).read_text()) or {}).get("trainer") or {}).get(
-            "callbacks", callbacks
-        )
+    merged: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "trainer": {}}
+    for path in configs:
+        config = yaml.safe_load((REPO / path).read_text()) or {}
+        for key in ("model", "data"):
+            merged[key].update((config.get(key) or {}).get("init_args") or {})
+        merged["trainer"].update(config.get("trainer") or {})
+    return merged
+
+
+def without_samples(*configs: str) -> str:
+    """``--trainer.callbacks=[...]``: the YAMLs' callbacks without the text samples, which a timed run leaves out."""
+    callbacks = yaml_settings(*configs)["trainer"].get("callbacks", [])
     kept = [c for c in callbacks if not c["class_path"].endswith(".TextSampleCallback")]
     return f"--trainer.callbacks={json.dumps(kept)}"
 
@@ -54,12 +61,11 @@ def fit_command(
     root: Path | None = None,
     clock: Path | None = None,
     torchrun: Iterable[str] | None = None,
-    python: str = sys.executable,
 ) -> list[str]:
     """``python -m lit_ddp fit --config C ...`` (under ``python -m torch.distributed.run *torchrun`` where given), run
     directory ``root``, ``args``, then the step clock writing ``clock`` (after any ``--trainer.callbacks=``)."""
     launcher = ["-m", "torch.distributed.run", *torchrun] if torchrun is not None else []
-    cmd = [python, *launcher, "-m", "lit_ddp", "fit", *(a for c in configs for a in ("--config", c))]
+    cmd = [sys.executable, *launcher, "-m", "lit_ddp", "fit", *(a for c in configs for a in ("--config", c))]
     cmd += ["--trainer.default_root_dir", str(root)] if root else []
     return cmd + list(args) + (clock_args(clock) if clock else [])
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.harness.launch import REPO
+from bench.harness.launch import yaml_settings
 
 GPU_YAML = "configs/mingpt/gpu.yaml"
 VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65 characters
@@ -53,20 +53,6 @@ def train_step(model: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor, aut
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def yaml_settings(*configs: str) -> dict[str, dict[str, Any]]:
-    """The ``model`` and ``data`` init_args and the ``trainer`` settings of the YAMLs (a later file's over an
-    earlier's, as ``--config`` composes them)."""
-    import yaml
-
-    merged: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "trainer": {}}
-    for path in configs:
-        config = yaml.safe_load((REPO / path).read_text()) or {}
-        for key in ("model", "data"):
-            merged[key].update((config.get(key) or {}).get("init_args") or {})
-        merged["trainer"].update(config.get("trainer") or {})
-    return merged
 
 
 def recipe_model(*configs: str, device: str = "cpu") -> tuple[Any, torch.optim.Optimizer]:
