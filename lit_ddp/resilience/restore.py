@@ -240,7 +240,7 @@ def global_batch(trainer: Trainer) -> int | None:
 
 def remap_epoch_progress(trainer: Trainer, loader_states: list[dict[str, Any]], saved_global_batch: int) -> None:
     """On a resume with another global batch than the checkpoint's ``saved_global_batch``: sets the batches
-    Lightning counts as done in the epoch to the samples the sampler consumed, in batches of today's global batch,
+    Lightning counts as done in the epoch to the samples the sampler consumed, in batches of this run's global batch,
     and warns.
 
     Lightning ends an epoch after ``len(train_dataloader)`` batches counted from the restored batch count, while
