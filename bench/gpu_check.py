@@ -61,13 +61,11 @@ DDP, FSDP, GPU = "configs/trainer/ddp.yaml", "configs/trainer/fsdp.yaml", "confi
 TUTORIAL, FAULT_TOLERANT = "configs/mingpt/tutorial.yaml", "configs/checkpoint/fault_tolerant.yaml"
 EXACT = "configs/checkpoint/exact.yaml"  # deterministic kernels: chaos compares bit for bit
 # The dry run's fit arguments: a tiny model on the CPU (num_workers 0: loader processes cost seconds there)
-DRY_TUTORIAL = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.devices", "1",
-                "--model.init_args.model_type", "gpt-nano", "--data.init_args.batch_size", "8",
-                "--data.init_args.num_workers", "0"]  # fmt: skip
-DRY_MAIN = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.devices", "1",
-            "--model.init_args.n_layer", "2", "--model.init_args.n_head", "2", "--model.init_args.n_embd", "32",
-            "--model.init_args.compile", "false", "--model.init_args.warmup_steps", "5",
-            "--data.init_args.block_size", "32", "--data.init_args.batch_size", "8"]  # fmt: skip
+DRY_CPU = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.devices", "1",
+           "--data.init_args.batch_size", "8"]  # fmt: skip
+DRY_TUTORIAL = [*DRY_CPU, "--model.init_args.model_type", "gpt-nano", "--data.init_args.num_workers", "0"]
+DRY_MAIN = [*DRY_CPU, "--model.init_args.n_layer", "2", "--model.init_args.n_head", "2", "--model.init_args.n_embd", "32",
+            "--model.init_args.compile", "false", "--model.init_args.warmup_steps", "5", "--data.init_args.block_size", "32"]  # fmt: skip
 DRY_MAIN_STEPS = ["--trainer.max_steps", "20", "--trainer.val_check_interval", "10",
                   "--trainer.limit_val_batches", "20", "--trainer.log_every_n_steps", "5"]  # fmt: skip
 REFERENCE_LINE = re.compile(r"^step\s+(\d+)\s+([\d.]+) s\s+train/loss ([\d.]+)\s+val/loss ([\d.]+)", re.M)
@@ -158,6 +156,11 @@ def marks_text(marks: dict[float, float | None]) -> str:
     return f"val/loss {' / '.join(f'{m:g}' for m in marks)} at {' / '.join(fmt(s) for s in marks.values())} s"
 
 
+def marks_status(rc: int, marks: dict[float, float | None]) -> str:
+    status = status_of(rc)
+    return f"ok, {MARKS[-1]} not reached" if status == "ok" and marks[MARKS[-1]] is None else status
+
+
 def table(rows: list[Row], header: str) -> str:
     """The table: one line per part, its wall seconds (and box), status and figures."""
     lines = [[r.part, f"{r.wall:.0f} ({r.box:.0f})" if r.box else "-", r.status, r.figures] for r in rows]
@@ -215,11 +218,8 @@ def part_main(ctx: Context, box: float) -> Row:
         f"{fmt(best and best[2], '.4f')} (step {fmt(best and best[1], '.0f')}); {fmt(f['tokens_per_s'], ',.0f')} "
         f"tokens/s; MFU {fmt(f['mfu'], '.3f')}; {f['steps']} steps; {host_syncs.summary_text(f['host_syncs'])}"
     )
-    status = status_of(rc)
-    if status == "ok" and marks[MARKS[-1]] is None:
-        status = f"ok, {MARKS[-1]} not reached"
     del f["events"]
-    return Row("main", status, figures, data={**f, "marks": marks, "best_val_loss": best and best[2]})
+    return Row("main", marks_status(rc, marks), figures, data={**f, "marks": marks, "best_val_loss": best and best[2]})
 
 
 def part_reference(ctx: Context, box: float) -> Row:
@@ -250,11 +250,8 @@ def part_reference(ctx: Context, box: float) -> Row:
         f"nanoGPT GPU recipe: {marks_text(marks)}; {fmt(ms)} ms/iter; {fmt(tokens, ',.0f')} tokens/s; "
         f"MFU {fmt(mfu, '.3f')}; eval {eval_iters} batches per split; {check}"
     )
-    status = status_of(rc)
-    if status == "ok" and to_mark is None:
-        status = f"ok, {MARKS[-1]} not reached"
     data = {"marks": marks, "ms_per_iter": ms, "tokens_per_s": tokens, "mfu": mfu, "eval_iters": eval_iters}
-    return Row("reference", status, figures, data=data)
+    return Row("reference", marks_status(rc, marks), figures, data=data)
 
 
 def ratio_row(ctx: Context) -> Row | None:
@@ -262,10 +259,8 @@ def ratio_row(ctx: Context) -> Row | None:
     main, ref = ctx.rows.get("main"), ctx.rows.get("reference")
     if main is None or ref is None:
         return None
-    parts = []
-    for m in MARKS:
-        a, b = main.data.get("marks", {}).get(m), ref.data.get("marks", {}).get(m)
-        parts.append(fmt(a / b if a is not None and b else None, ".2f"))
+    pairs = [(main.data.get("marks", {}).get(m), ref.data.get("marks", {}).get(m)) for m in MARKS]
+    parts = [fmt(a / b if a is not None and b else None, ".2f") for a, b in pairs]
     ratio = parts[-1]
     status = (
         "-" if ratio == "-" else ("PASS" if float(ratio) <= RATIO_TARGET else "FAIL") + f" (target <= {RATIO_TARGET})"

@@ -297,16 +297,6 @@ class StepSyncs(Callback):
         else:
             self._caught.clear()
 
-    def _start_profile(self, trainer: Trainer, step: int) -> None:
-        """Starts counting kernel launches at ``step`` when it is the first of the last ``launch_steps`` but one."""
-        last = trainer.max_steps - 1
-        if not (self._cuda_warnings is not None and self.launch_steps > 0 and step == last - self.launch_steps):
-            return
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        profile = torch.profiler.profile(activities=activities)
-        profile.__enter__()
-        self._profile = (profile, step)
-
     def _stop_profile(self, step: int) -> None:
         """Stops counting at the start of ``step``: the launches per step of the steps counted."""
         if self._profile is None:
@@ -321,7 +311,9 @@ class StepSyncs(Callback):
         step = trainer.global_step + 1
         if self._profile is not None and step >= self._profile[1] + self.launch_steps:
             self._stop_profile(step)
-        self._start_profile(trainer, step)
+        if self._cuda_warnings is not None and self.launch_steps and step == trainer.max_steps - 1 - self.launch_steps:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self._profile = (torch.profiler.profile(activities=activities).__enter__(), step)  # the last steps but one
         if step < self.from_step:
             self._start(None)
             return
@@ -369,10 +361,8 @@ def summary_text(summary: dict[str, Any]) -> str:
     text += f" (steps that log/save/validate: {min(others.values(), default=0)} to {max(others.values(), default=0)})"
     if not summary["counting_alive"]:
         text += " [counting stopped: a logging step showed none]"
-    if summary.get("launches"):
-        text += (
-            f"; kernel launches per step {summary['launches']['per_step']:.0f} (steps {summary['launches']['steps']})"
-        )
+    if launches := summary.get("launches"):
+        text += f"; kernel launches per step {launches['per_step']:.0f} (steps {launches['steps']})"
     elif summary.get("quiet_step_ops"):
         text += f"; aten ops on device tensors per quiet step {summary['quiet_step_ops']:.0f}"
     return text
