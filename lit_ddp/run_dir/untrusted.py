@@ -139,8 +139,8 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     dtypes, layouts and memory formats, ``pathlib``'s paths (``StorageMeta.checkpoint_id``) and ``OrderedDict``."""
     allowed: dict[tuple[str, str], Any] = {}
     for name, value in vars(dcp_metadata).items():
-        ours = isinstance(value, type) and value.__module__ == dcp_metadata.__name__
-        if ours and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
+        defined_there = isinstance(value, type) and value.__module__ == dcp_metadata.__name__
+        if defined_there and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
             allowed[(dcp_metadata.__name__, name)] = value
     allowed.update(compat.dcp_private_metadata_classes())
     for name in dir(torch):
@@ -148,7 +148,7 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
         if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
             allowed[("torch", name)] = value
     allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = _get_layout  # ours in its place: names of layouts only
+    allowed[("torch.serialization", "_get_layout")] = _get_layout  # lit-ddp's in its place: names of layouts only
     for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath):
         allowed[("pathlib", cls.__name__)] = allowed[(cls.__module__, cls.__name__)] = cls  # pathlib._local: 3.13
     import collections
