@@ -164,12 +164,11 @@ def main(argv: list[str] | None = None) -> dict:
     iters, train_time = sum(n for n, _ in steady), sum(t for _, t in steady)
     tokens_per_s = iters * batch_size * block_size / train_time if train_time else None
     ms_per_iter = 1e3 * train_time / iters if iters else None
+    peak = None
     if device.type == "cuda":  # imported after the timed run
         from bench.harness.measure import peak_flops
 
         peak = peak_flops(device, "bf16-mixed" if dtype == torch.bfloat16 else "32-true")
-    else:
-        peak = None
     flops_per_token = raw_model.flops_per_token()
     mfu = tokens_per_s * flops_per_token / peak if tokens_per_s and peak else None
     if tokens_per_s is not None:
@@ -177,13 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"training steps: {tokens_per_s:,.0f} tokens/s ({ms_per_iter:.1f} ms/step, {iters} steps after the "
               f"first {first_n}, which took {first_s:.1f} s)" + (f", MFU {mfu:.3f}" if mfu else ""))  # fmt: skip
     print(f"val/loss <= {target}: " + (f"{reached:.1f} s after launch" if reached else "not reached"))
-    result = {
-        "recipe": args.recipe, "device": name, "dtype": str(dtype), "compile": compiled, "evals": evals,
-        "target": target, "seconds_to_target": reached, "tokens_per_s": tokens_per_s, "ms_per_iter": ms_per_iter,
-        "eval_iters": eval_iters, "batch_size": batch_size, "block_size": block_size,
-        "flops_per_token": flops_per_token, "peak_flops": peak, "mfu": mfu,
-        "first_interval": list(intervals[0]) if intervals else None,
-    }  # fmt: skip
+    result = {**recipe, "recipe": args.recipe, "device": name, "evals": evals, "seconds_to_target": reached,
+              "tokens_per_s": tokens_per_s, "ms_per_iter": ms_per_iter, "flops_per_token": flops_per_token,
+              "peak_flops": peak, "mfu": mfu, "first_interval": list(intervals[0]) if intervals else None}  # fmt: skip
     write_json(args.json, result)
     return result
 
