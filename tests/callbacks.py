@@ -273,13 +273,33 @@ class ForgetLoaderPosition(Callback):
 class StepTrace(Callback):
     """Appends ``<unix time> <pid> <global_step>`` to ``<directory>/<$REPLICA_GROUP_ID>.txt`` after every training
     batch (a torchft replica group's steps, across its restarts), after sleeping ``sleep[group]`` seconds before it
-    (steps slow enough to kill a group mid-training; a slower group makes the other wait in the all-reduce)."""
+    (steps slow enough to kill a group mid-training; a slower group makes the other wait in the all-reduce).
 
-    def __init__(self, directory: str, sleep: dict[str, float] | None = None) -> None:
+    With ``indices`` (a regression fit), each line goes on with ``<step>:<epoch>:<i,j,...>``: the global step and
+    epoch the batch was trained at and the train set's indices of its samples (its inputs found in the train set),
+    read in ``training_step``: the batch the step trained, which a heal replaces, not the one the loop fetched."""
+
+    def __init__(self, directory: str, sleep: dict[str, float] | None = None, indices: bool = False) -> None:
         self.group = os.environ.get("REPLICA_GROUP_ID", "group_0")
         self.path = Path(directory, f"{self.group}.txt")
         self.sleep = (sleep or {}).get(self.group, 0.0)
+        self.indices = indices
+        self.trained = ""
         os.makedirs(directory, exist_ok=True)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not self.indices or stage != "fit":
+            return
+        inputs = trainer.datamodule.train_set.tensors[0]
+        where = {row.numpy().tobytes(): i for i, row in enumerate(inputs)}
+        training_step = pl_module.training_step
+
+        def traced(batch: tuple[torch.Tensor, torch.Tensor], *args: object, **kwargs: object) -> object:
+            found = [where[row.numpy().tobytes()] for row in batch[0].detach().cpu()]
+            self.trained = f" {trainer.global_step}:{trainer.current_epoch}:{','.join(map(str, found))}"
+            return training_step(batch, *args, **kwargs)
+
+        pl_module.training_step = traced  # type: ignore[method-assign]
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
         time.sleep(self.sleep)
@@ -288,4 +308,4 @@ class StepTrace(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
         with open(self.path, "a") as f:
-            f.write(f"{time.time():.3f} {os.getpid()} {trainer.global_step}\n")
+            f.write(f"{time.time():.3f} {os.getpid()} {trainer.global_step}{self.trained}\n")

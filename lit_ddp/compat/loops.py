@@ -1,6 +1,7 @@
 """Lightning's training loop: the position a resume restores (the batch, the epoch's end, the train loaders'
-states), when a batch steps the optimizer or validates, and the step a batch is logged at. Lightning 2.6 has no
-public API for them; two of its bugs are mended here, each on the versions known to have it
+states), when a batch steps the optimizer or validates, the step a batch is logged at, and a torchft group's
+loaders moved within a step (a discarded step's batch read again, a healed group's taken from its peer). Lightning
+2.6 has no public API for them; two of its bugs are mended here, each on the versions known to have it
 (:data:`LIGHTNING_RECOUNTS_EPOCH_END`, :func:`fix_last_batch_restart`), and ``tests/unit/test_compat.py`` shows on
 any version whether each is still there."""
 
@@ -125,17 +126,77 @@ def restore_train_loaders(trainer: Trainer, states: list[dict[str, Any]], epoch:
     rank's own states, where Lightning restores rank zero's on every rank, so it runs on any version: where Lightning
     restored right, it builds the same iterator again. Returns whether there was a loader to restore.
     """
+    return _rebuild_train_iterator(trainer, states, epoch) is not None
+
+
+def _rebuild_train_iterator(trainer: Trainer, states: list[dict[str, Any]] | None, epoch: int) -> Any:
+    """The fit loop's fetcher with a fresh iterator over the train loaders, their samplers at ``epoch`` and their
+    ``states`` loaded (none: from the epoch's start); None where the fit loop has no loader yet."""
     fit_loop = trainer.fit_loop
     combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
     if combined_loader is None or fetcher is None:
-        return False
+        return None
     set_sampler_epoch = private("lightning.fabric.utilities.data", "_set_sampler_epoch")
     for dl in combined_loader.flattened:
         set_sampler_epoch(dl, epoch)
-    combined_loader._load_state_dicts(states)
+    if states:
+        combined_loader._load_state_dicts(states)
     fit_loop._combined_loader_states_to_load = []
     iter(fetcher)  # a fresh iterator from the restored position
-    return True
+    return fetcher
+
+
+def reposition_train_loaders(trainer: Trainer, states: list[dict[str, Any]] | None, epoch: int, read: int) -> None:
+    """Moves the train loaders, in the middle of a step, to another position of the epoch: the iterator rebuilt with
+    the samplers at ``epoch`` and ``states`` loaded (:func:`train_loader_states` taken at that position; None: the
+    epoch's start), and Lightning's fetcher counting ``read`` batches of the epoch as fetched. Lightning's fetcher of
+    a loader with a length fetches no batch ahead (``_PrefetchDataFetcher.__iter__``) and flags the epoch's last
+    batch (``is_last_batch``) by its count of fetched batches, which a fresh iterator sets to 0: the count is set
+    to the position's, as Lightning's ``_TrainingEpochLoop.on_run_start`` does on a restart (Lightning 2.6.6)."""
+    fetcher = _rebuild_train_iterator(trainer, states, epoch)
+    if fetcher is not None:
+        fetcher.fetched = read
+
+
+def next_train_batch(trainer: Trainer) -> Any:
+    """The next training batch of the fit loop's fetcher, prepared as Lightning's ``_TrainingEpochLoop.advance``
+    prepares the one it fetches (the precision plugin's ``convert_input``, the module's ``on_before_batch_transfer``,
+    the strategy's ``batch_to_device``), with Lightning's ``is_last_batch`` set from the fetcher: for a step that
+    trains another batch than the one the loop fetched (a torchft group healed in the middle of its step)."""
+    fit_loop = trainer.fit_loop
+    fetcher = fit_loop._data_fetcher
+    assert fetcher is not None, "next_train_batch() is called during a fit's training"
+    batch, _, _ = next(fetcher)
+    fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+def loop_progress(trainer: Trainer) -> dict[str, Any]:
+    """Where the fit loop stands: its epoch and batch counts (Lightning's progress trackers' ``state_dict()``, plain
+    integers and a flag). Read in the middle of a step, they say the step's batch is read and not yet completed."""
+    fit_loop = trainer.fit_loop
+    return {"epoch": fit_loop.epoch_progress.state_dict(), "batch": fit_loop.epoch_loop.batch_progress.state_dict()}
+
+
+def set_loop_progress(trainer: Trainer, progress: dict[str, Any]) -> None:
+    """Puts :func:`loop_progress`'s counts, read at the same moment of a step on another fit, into this fit loop:
+    ``current_epoch``, ``batch_idx`` and when the epoch ends (and validates) follow that fit's."""
+    fit_loop = trainer.fit_loop
+    fit_loop.epoch_progress.load_state_dict(progress["epoch"])
+    fit_loop.epoch_loop.batch_progress.load_state_dict(progress["batch"])
+
+
+def uncount_batch(trainer: Trainer) -> None:
+    """Takes the batch of the step under way out of Lightning's batch counts, inside the step: Lightning completes it
+    after the step, and the counts then stand where they stood before it was read, so the next batch gets its
+    ``batch_idx``, the epoch ends after as many batches, and this one is not the epoch's last (``is_last_batch``)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (progress.total, progress.current):  # Lightning's _ProcessedTrackers
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(tracker, counter, getattr(tracker, counter) - 1)
+    progress.is_last_batch = False
 
 
 def restore_loop_position(trainer: Trainer, loader_states: list[dict[str, Any]]) -> tuple[bool, bool]:

@@ -2,10 +2,11 @@
 
 torchft's manager asks a state function of the peer it heals from and hands the result to a load function on the
 healing group, both registered once (``Manager.register_state_dict_fn``). :class:`PeerState` is that pair for a
-Lightning fit: the training state a resume from disk restores (module, optimizers, schedulers, the loop's position,
-RNG streams, metric sums; :class:`lit_ddp.resilience.restore.ResumeState`'s helpers for the last two), taken live,
-put back at one point, at the start of the step the groups then take together. The train loaders' positions are
-not transferred (a loader is mid-iteration when a heal arrives): a healed group reads on from its own position.
+Lightning fit: the training state a resume from disk restores (module, optimizers, schedulers, the loop's position
+and the train loaders', RNG streams, metric sums; :class:`lit_ddp.resilience.restore.ResumeState`'s helpers for the
+last two), taken live, put back at one point, at the start of the step the groups then take together. The heal
+arrives inside the healing group's step, after its loop fetched a batch from its own position: the loaders are set
+to the start of the peer's batch and the step trains this group's share of it (:mod:`lit_ddp.ft.data`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lit_ddp import compat
+from lit_ddp.ft.data import BatchStart
 from lit_ddp.resilience import restore
 
 
@@ -23,10 +25,13 @@ class PeerState:
 
     Args:
         trainer: the fit's Trainer (its strategy holds the optimizers, its loop the position).
+        batch_start: where the batch of the step under way began (the strategy marks it between steps).
     """
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, batch_start: BatchStart) -> None:
         self.trainer = trainer
+        self.batch_start = batch_start
+        self.batch: Any = None  # a healed step's batch, until the step takes it (take_batch)
 
     def state_dict(self) -> dict[str, Any]:
         """The fit's state now, at the start of a step (called on the peer, in torchft's quorum thread, while its
@@ -40,14 +45,18 @@ class PeerState:
             "loop": {
                 "optimizer_steps": compat.optimizer_steps(trainer),
                 "batches_that_stepped": compat.batches_that_stepped(trainer),
+                "progress": compat.loop_progress(trainer),
             },
+            "data": self.batch_start.state(trainer),
             "rng": restore.capture_rng(trainer.strategy.root_device),
             "metrics": restore.metric_states(module),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Puts a peer's :meth:`state_dict` into this fit, at the start of a step (before its forward): module,
-        optimizers, schedulers, the loop's step counts, the metrics' running sums, then the RNG streams."""
+        optimizers, schedulers, the loop's step, epoch and batch counts, the train loaders at the start of the peer's
+        batch and this group's share of it read (:meth:`take_batch`), the metrics' running sums, then the RNG
+        streams (last: reading the batch may draw from them)."""
         trainer = self.trainer
         module = trainer.lightning_module
         module.load_state_dict(state["module"])
@@ -57,6 +66,12 @@ class PeerState:
             config.scheduler.load_state_dict(saved)
         compat.set_optimizer_steps(trainer, int(state["loop"]["optimizer_steps"]))
         compat.set_batches_that_stepped(trainer, int(state["loop"]["batches_that_stepped"]))
+        self.batch = self.batch_start.heal(trainer, state["data"], state["loop"]["progress"])
         if state["metrics"]:
             restore.restore_metric_states(module, state["metrics"])
         restore.restore_rng(state["rng"], trainer.strategy.root_device, trainer.local_rank)
+
+    def take_batch(self) -> Any:
+        """The batch a heal read for the step under way (None where this step did not heal), once."""
+        batch, self.batch = self.batch, None
+        return batch

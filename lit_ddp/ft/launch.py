@@ -4,7 +4,8 @@
         fit --config configs/trainer/torchft.yaml --config configs/regression/single_device.yaml
 
 starts the lighthouse (bound to loopback unless ``--bind`` says otherwise), prints its address, then starts each
-group as a ``lit-ddp`` process of its own (``$TORCHFT_LIGHTHOUSE``, ``$REPLICA_GROUP_ID=group_<i>``, run directory
+group as a ``lit-ddp`` process of its own (``$TORCHFT_LIGHTHOUSE``, ``$REPLICA_GROUP_ID=group_<i>``,
+``$TORCHFT_REPLICA_GROUPS=R``: group ``i`` trains share ``i`` of each global batch; run directory
 ``<root>/group_<i>``), printing its process id at every start. A group whose process fails is started again (at
 most ``--max_restarts`` times each) and rejoins the quorum from a live peer; the others go on meanwhile. Ends when
 every group has ended: status 0 when all finished, else the first failure's.
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from lit_ddp.ft.strategy import LIGHTHOUSE_ENV, REPLICA_ENV, require_torchft
+from lit_ddp.ft.strategy import LIGHTHOUSE_ENV, REPLICA_ENV, REPLICA_GROUPS_ENV, require_torchft
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -79,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lit_ddp.ft.launch: lighthouse {address} (bind {args.bind})", flush=True)
 
     def start(group: int) -> subprocess.Popen:
-        env = dict(os.environ, **{LIGHTHOUSE_ENV: address, REPLICA_ENV: f"group_{group}"})
+        group_env = {
+            LIGHTHOUSE_ENV: address,
+            REPLICA_ENV: f"group_{group}",
+            REPLICA_GROUPS_ENV: str(args.replica_groups),
+        }
+        env = dict(os.environ, **group_env)
         run_dir = Path(args.root, f"group_{group}")
         cmd = [sys.executable, "-m", "lit_ddp", *command, "--trainer.default_root_dir", str(run_dir)]
         proc = subprocess.Popen(cmd, env=env)

@@ -5,7 +5,9 @@ quorum says so (:class:`lit_ddp.ft.heal.PeerState`, before the forward); (2) run
 ``zero_grad``, backward), whose backward averages the gradients across the quorum's groups in torchft's DDP hook
 (:func:`lit_ddp.compat.fault_tolerant_ddp`); (3) steps the optimizer only where ``should_commit()`` says the whole
 quorum's all-reduce succeeded. A discarded step is not counted: ``trainer.global_step`` and the logger's step stay
-where they were, so that ``global_step`` is torchft's committed step count. Lightning's automatic optimization
+where they were, so that ``global_step`` is torchft's committed step count, and its batch is read again at the next
+step. Group ``i`` of ``R`` trains share ``i`` of each global batch of the one global order (:mod:`lit_ddp.ft.data`:
+the train loader's ``GlobalOrderSampler`` is made reader ``i`` of ``R``). Lightning's automatic optimization
 passes the closure; torchft's ``OptimizerWrapper`` takes none: the strategy runs the closure itself and hands the
 optimizer a closure that returns its loss.
 
@@ -29,12 +31,14 @@ from torch.optim import Optimizer
 
 from lit_ddp import compat
 from lit_ddp.errors import UsageError
+from lit_ddp.ft import data
 from lit_ddp.ft.heal import PeerState
 from lit_ddp.launch import loopback
 
 EXTRA = 'torchft is not installed: pip install -e ".[torchft]" (the torchft extra)'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ENV = "REPLICA_GROUP_ID"
+REPLICA_GROUPS_ENV = "TORCHFT_REPLICA_GROUPS"
 
 
 def require_torchft() -> None:
@@ -52,7 +56,9 @@ class TorchFTStrategy(SingleDeviceStrategy):
     Args:
         lighthouse: the lighthouse's address (``http://127.0.0.1:29510``); None: ``$TORCHFT_LIGHTHOUSE``, as
             ``python -m lit_ddp.ft.launch`` sets it.
-        replica_id: this group's name in the quorum; None: ``$REPLICA_GROUP_ID``, else ``group_0``.
+        replica_id: this group's name in the quorum, ``group_<i>``; None: ``$REPLICA_GROUP_ID``, else ``group_0``.
+        replica_groups: how many groups share each global batch (group ``i`` trains share ``i``); None:
+            ``$TORCHFT_REPLICA_GROUPS`` (``python -m lit_ddp.ft.launch`` sets it), else 1.
         min_replicas: the fewest groups a step commits with.
         timeout: the cross-group all-reduce's, ``should_commit``'s and the live-state transfer's: what a frozen
             (not dead) peer can cost the others.
@@ -64,13 +70,15 @@ class TorchFTStrategy(SingleDeviceStrategy):
     Raises:
         UsageError: torchft is not installed.
         ValueError: at set-up, more than one process per group, manual optimization, or gradient accumulation
-            (not in this first slice).
+            (not in this first slice), or a replica id that is not ``group_<i>`` with ``i`` below the number of
+            groups; at the start of training, a train loader without a ``GlobalOrderSampler``.
     """
 
     def __init__(
         self,
         lighthouse: str | None = None,
         replica_id: str | None = None,
+        replica_groups: int | None = None,
         min_replicas: int = 1,
         timeout: timedelta = timedelta(seconds=30),
         quorum_timeout: timedelta = timedelta(seconds=60),
@@ -81,10 +89,14 @@ class TorchFTStrategy(SingleDeviceStrategy):
         super().__init__(device=device)
         self.lighthouse = lighthouse
         self.replica_id = replica_id
+        self.replica_groups = replica_groups
         self.min_replicas = min_replicas
         self.timeout, self.quorum_timeout, self.connect_timeout = timeout, quorum_timeout, connect_timeout
         self.manager: Any = None
         self.discarded_steps = 0
+        self.share: tuple[int, int] | None = None  # (groups, this group's index) in a fit
+        self.batch_start = data.BatchStart()
+        self.peer_state: PeerState | None = None
         self._store: Any = None
 
     def setup(self, trainer: Trainer) -> None:
@@ -98,6 +110,9 @@ class TorchFTStrategy(SingleDeviceStrategy):
                     "TorchFTStrategy: automatic optimization without gradient accumulation only "
                     "(accumulate_grad_batches 1)"
                 )
+            groups = self.replica_groups or int(os.environ.get(REPLICA_GROUPS_ENV, "1"))
+            self.share = (groups, data.group_index(self._replica_id(), groups))
+            self.peer_state = PeerState(trainer, self.batch_start)
             self.manager = self._manager(trainer)
             assert self.model is not None
             self.model = compat.fault_tolerant_ddp(self.manager, self.model)
@@ -114,16 +129,16 @@ class TorchFTStrategy(SingleDeviceStrategy):
                 f"TorchFTStrategy: no lighthouse: give strategy.init_args.lighthouse or ${LIGHTHOUSE_ENV} "
                 "(python -m lit_ddp.ft.launch sets it)"
             )
-        replica_id = self.replica_id or os.environ.get(REPLICA_ENV) or "group_0"
+        replica_id = self._replica_id()
         if loopback.is_loopback(lighthouse.split("://")[-1].rsplit(":", 1)[0]):
             loopback.use_loopback_interface()  # gloo's connections between the groups on loopback
         self._store = loopback.store(0, None, True, wait_for_workers=False)
         compat.weights_only_transport()  # a peer's state is tensors and plain data: nothing of it may run code
-        peer_state = PeerState(trainer)
+        assert self.peer_state is not None
         manager = Manager(
             pg=ProcessGroupGloo(timeout=self.timeout),
-            load_state_dict=peer_state.load_state_dict,
-            state_dict=peer_state.state_dict,
+            load_state_dict=self.peer_state.load_state_dict,
+            state_dict=self.peer_state.state_dict,
             min_replica_size=self.min_replicas,
             use_async_quorum=False,
             timeout=self.timeout,
@@ -136,8 +151,43 @@ class TorchFTStrategy(SingleDeviceStrategy):
             lighthouse_addr=lighthouse,
             replica_id=replica_id,
         )
-        rank_zero_info(f"torchft: replica group {replica_id!r}, lighthouse {lighthouse}")
+        assert self.share is not None
+        groups, index = self.share
+        rank_zero_info(
+            f"torchft: replica group {replica_id!r} (share {index} of {groups} of each global batch), "
+            f"lighthouse {lighthouse}"
+        )
         return manager
+
+    def _replica_id(self) -> str:
+        return self.replica_id or os.environ.get(REPLICA_ENV) or "group_0"
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """A train loader's ``GlobalOrderSampler`` made this group's reader of the global order (before Lightning
+        reads the loader's length)."""
+        if self.share is not None:
+            data.share(dataloader, *self.share)
+        return super().process_dataloader(dataloader)
+
+    def on_train_start(self) -> None:
+        """Checks that every train loader shares the global batches, and marks where the first batch starts."""
+        super().on_train_start()
+        if self.manager is not None:
+            assert self.lightning_module is not None
+            trainer = self.lightning_module.trainer
+            data.check_train_loaders(trainer)
+            self.batch_start.mark(trainer)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, on the batch a heal in this step read (this group's share of its peer's batch) where there
+        is one, in place of the one the loop fetched from this group's stale position."""
+        healed = self.peer_state.take_batch() if self.peer_state is not None else None
+        if healed is not None:
+            if args:
+                args = (healed, *args[1:])
+            else:
+                kwargs["batch"] = healed
+        return super().training_step(*args, **kwargs)
 
     def optimizer_step(
         self,
@@ -147,7 +197,7 @@ class TorchFTStrategy(SingleDeviceStrategy):
         **kwargs: Any,
     ) -> Any:
         """The quorum (and a heal), Lightning's closure, then the optimizer's step where the quorum commits; a
-        discarded step is uncounted."""
+        discarded step is uncounted and its batch read again at the next step."""
         if self.manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         self.manager.start_quorum()  # heals here, where the quorum says so (PeerState.load_state_dict)
@@ -159,9 +209,13 @@ class TorchFTStrategy(SingleDeviceStrategy):
             # Lightning completes the step (and counts a batch that stepped) after this returns: count one less.
             compat.set_optimizer_steps(trainer, compat.optimizer_steps(trainer) - 1)
             compat.set_batches_that_stepped(trainer, compat.batches_that_stepped(trainer) - 1)
-            rank_zero_info(f"torchft: step {trainer.global_step + 1} discarded by the quorum")
+            self.batch_start.rewind(trainer)
+            rank_zero_info(f"torchft: step {trainer.global_step + 1} discarded by the quorum; its batch is read again")
             return loss
-        return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+        stepped = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+        assert self.lightning_module is not None
+        self.batch_start.mark(self.lightning_module.trainer)  # the next batch starts here
+        return stepped
 
     def teardown(self) -> None:
         if self.manager is not None:

@@ -1,8 +1,10 @@
 """Per-step fault tolerance with torchft (lit_ddp.ft) on CPU: two replica groups of one process each, launched by
-``python -m lit_ddp.ft.launch`` with the lighthouse on loopback; one group SIGKILLed mid-training."""
+``python -m lit_ddp.ft.launch`` with the lighthouse on loopback; one group SIGKILLed mid-training. Each group's
+trace records the samples every step trained (tests.callbacks.StepTrace)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -13,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_ddp.cli import DEFAULT_SEED
+from lit_ddp.data.regression import RegressionDataModule
+from lit_ddp.data.samplers import GlobalOrderSampler
 from tests.callbacks import StepTrace
 from tests.helpers import callback, compose, start, subprocess_env, wait, write_callbacks_config
 
@@ -22,7 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def launch(tmp_path: Path, trace: Path, max_steps: int, sleep: dict[str, float], *extra: str) -> subprocess.Popen:
-    callbacks = write_callbacks_config(tmp_path / "trace.yaml", callback(StepTrace, directory=str(trace), sleep=sleep))
+    callbacks = write_callbacks_config(
+        tmp_path / "trace.yaml", callback(StepTrace, directory=str(trace), sleep=sleep, indices=True)
+    )
     cmd = [
         sys.executable, "-m", "lit_ddp.ft.launch", "--replica_groups", "2", "--root", str(tmp_path / "runs"),
         *extra, "--",
@@ -38,8 +45,42 @@ def steps(trace: Path, group: str) -> list[tuple[float, int, int]]:
     path = trace / f"{group}.txt"
     if not path.exists():
         return []
-    rows = [line.split() for line in path.read_text().splitlines() if line.count(" ") == 2]
+    rows = [line.split()[:3] for line in path.read_text().splitlines() if line.count(" ") == 3]
     return [(float(t), int(pid), int(step)) for t, pid, step in rows]
+
+
+def trained(trace: Path, group: str) -> list[tuple[int, int, list[int]]]:
+    """(step, epoch, train set indices) of each training batch the group ran, that step committed or not."""
+    lines = (trace / f"{group}.txt").read_text().splitlines()
+    rows = [line.split()[3].split(":") for line in lines if line.count(" ") == 3]
+    return [(int(step), int(epoch), [int(i) for i in indices.split(",")]) for step, epoch, indices in rows]
+
+
+def committed(trace: Path, group: str) -> dict[int, tuple[int, list[int]]]:
+    """Step -> (epoch, indices) of the group's committed steps: a step whose global step went one past it."""
+    after = [step for _, _, step in steps(trace, group)]
+    return {
+        step: (epoch, idx) for (step, epoch, idx), done in zip(trained(trace, group), after, strict=True) if done > step
+    }
+
+
+@functools.cache
+def regression_sizes() -> tuple[int, int]:
+    """(train samples, batch size) of configs/regression/single_device.yaml's data."""
+    data = RegressionDataModule()
+    data.setup()
+    assert data.train_set is not None
+    return len(data.train_set), data.hparams["batch_size"]
+
+
+def expected_share(step: int, group: int, groups: int = 2) -> tuple[int, list[int]]:
+    """(epoch, indices): group ``group``'s share of the global batch of step ``step`` in an uninterrupted run of
+    the regression (its data, the CLI's seed)."""
+    n, batch_size = regression_sizes()
+    global_batch = batch_size * groups
+    epoch, batch = divmod(step, n // global_batch)
+    order = GlobalOrderSampler(range(n), num_replicas=groups, rank=group, seed=DEFAULT_SEED).order(epoch)
+    return epoch, order[batch * global_batch : (batch + 1) * global_batch][group::groups].tolist()
 
 
 def final_parameters(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
@@ -51,7 +92,11 @@ def final_parameters(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
 def test_a_killed_group_stops_no_one_and_heals_from_its_peer(tmp_path: Path) -> None:
     """group_1 is SIGKILLed mid-training (group_0 then waits in the all-reduce for it, group_1 being slower): group_0
     keeps its process and steps on during the outage; the launcher restarts group_1, which heals from group_0 and
-    ends with parameters identical to group_0's, bit for bit."""
+    ends with parameters identical to group_0's, bit for bit. Every committed step of each group trained its share
+    of the same global batch as an uninterrupted run (group_0 samples 0, 2, ... of it, group_1 1, 3, ...): the groups
+    up read disjoint shares, none read a sample twice in an epoch, group_1's share is skipped while it is down, a
+    discarded step's batch (where there is one) is read again, and the healed group_1 trains its share of the
+    survivors' batch from its first step back."""
     trace = tmp_path / "trace"
     proc = launch(tmp_path, trace, 150, {"group_0": 0.05, "group_1": 0.1}, "--max_restarts", "1")
     try:
@@ -88,3 +133,26 @@ def test_a_killed_group_stops_no_one_and_heals_from_its_peer(tmp_path: Path) -> 
     assert step_0 == step_1 == 150
     assert params_0.keys() == params_1.keys()
     assert all(torch.equal(params_0[k], params_1[k]) for k in params_0), "the groups' final parameters differ"
+
+    shares = {g: committed(trace, f"group_{g}") for g in (0, 1)}
+    print(f"sampler seed {DEFAULT_SEED} (the CLI's)")
+    for g, share in shares.items():
+        wrong = [s for s, got in share.items() if got != expected_share(s, g)]
+        assert not wrong, f"group_{g} trained other samples than its share at steps {wrong[:5]}"
+    both = sorted(shares[0].keys() & shares[1].keys())
+    assert all(set(shares[0][s][1]).isdisjoint(shares[1][s][1]) for s in both)
+    first_back = [step for step, _, _ in trained(trace, "group_1")][len(victim) - len(back)]
+    assert first_back == back_step - 1 and first_back in shares[0], "group_1 came back at another step"
+    per_epoch: dict[int, list[int]] = {}
+    for share in shares.values():
+        for epoch, indices in share.values():
+            per_epoch.setdefault(epoch, []).extend(indices)
+    assert all(len(set(v)) == len(v) for v in per_epoch.values()), "a sample was trained twice in an epoch"
+    discarded = {g: len(trained(trace, f"group_{g}")) - len(shares[g]) for g in (0, 1)}
+    print(
+        f"torchft data: steps trained by both groups {len(both)}, by group_0 alone {len(shares[0]) - len(both)}, "
+        f"by group_1 alone {len(shares[1]) - len(both)} (the other joining or down); "
+        f"group_1's first step back {first_back} trained its share of group_0's batch of that step; "
+        f"discarded steps read again: group_0 {discarded[0]}, group_1 {discarded[1]}; samples trained per epoch "
+        f"{[len(per_epoch[e]) for e in sorted(per_epoch)]}, none twice"
+    )

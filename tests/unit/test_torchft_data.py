@@ -1,0 +1,199 @@
+"""lit_ddp.ft.data in a one-process fit, torchft's manager replaced by a scripted one: a group trains its share of each
+global batch, a discarded step's batch is read again at the next step, a healed group goes on from its peer's
+position (and trains its share of the peer's batch at the heal step itself)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lit_ddp import compat
+from lit_ddp.data.samplers import GlobalOrderSampler
+
+pytest.importorskip("torchft")
+
+from lit_ddp.ft import data  # noqa: E402 (after the skip: lit_ddp.ft needs torchft)
+from lit_ddp.ft.strategy import TorchFTStrategy  # noqa: E402
+
+N, B, GROUPS, SEED = 48, 4, 2, 7  # a global batch of 8: six steps an epoch
+STEPS_PER_EPOCH = N // (B * GROUPS)
+
+
+class Indices(LightningModule):
+    """Trains on the dataset indices themselves, recording ``(global_step, epoch, indices)`` of every step, and
+    whether Lightning took its batch for the epoch's last (``is_last_batch``, which ends the epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.trained: list[tuple[int, int, list[int]]] = []
+        self.last: list[bool] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        self.trained.append((self.trainer.global_step, self.trainer.current_epoch, x.view(-1).long().tolist()))
+        self.last.append(self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        dataset = TensorDataset(torch.arange(N, dtype=torch.float32)[:, None])
+        sampler = GlobalOrderSampler(dataset, num_replicas=1, rank=0, seed=SEED)  # the strategy makes it a share
+        return StatefulDataLoader(dataset, batch_size=B, sampler=sampler)
+
+
+class ScriptedManager:
+    """What the strategy asks of torchft's ``Manager``, scripted by the count of quorums: ``should_commit()`` is
+    False at the calls in ``discard``; ``on_quorum(call, peer_state)`` runs in each ``start_quorum`` (a heal: the
+    peer state loaded, as torchft's manager does before returning)."""
+
+    def __init__(self, peer_state: Any, discard: set[int], on_quorum: Callable[[int, Any], None] | None) -> None:
+        self.peer_state, self.discard, self.on_quorum, self.calls = peer_state, discard, on_quorum, 0
+
+    def start_quorum(self) -> None:
+        self.calls += 1
+        if self.on_quorum is not None:
+            self.on_quorum(self.calls, self.peer_state)
+
+    def should_commit(self) -> bool:
+        return self.calls not in self.discard
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+def fit(
+    monkeypatch: pytest.MonkeyPatch,
+    group: int,
+    max_steps: int,
+    discard: set[int] = frozenset(),  # type: ignore[assignment]
+    on_quorum: Callable[[int, Any], None] | None = None,
+) -> tuple[Trainer, Indices]:
+    monkeypatch.setattr(compat, "fault_tolerant_ddp", lambda manager, module: module)  # no all-reduce: one group
+    monkeypatch.setattr(
+        TorchFTStrategy, "_manager", lambda self, trainer: ScriptedManager(self.peer_state, discard, on_quorum)
+    )
+    module = Indices()
+    trainer = Trainer(
+        strategy=TorchFTStrategy(replica_id=f"group_{group}", replica_groups=GROUPS),
+        accelerator="cpu",
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return trainer, module
+
+
+def share(step: int, group: int) -> list[int]:
+    """Group ``group``'s share of the global batch of committed step ``step`` (0-based) in an uninterrupted run."""
+    epoch, batch = divmod(step, STEPS_PER_EPOCH)
+    order = GlobalOrderSampler(range(N), num_replicas=GROUPS, rank=group, seed=SEED).order(epoch)
+    return order[batch * B * GROUPS : (batch + 1) * B * GROUPS][group::GROUPS].tolist()
+
+
+def committed(module: Indices) -> list[tuple[int, int, list[int]]]:
+    """The steps that committed: those the next record's global step is one past (the last one: the fit's end)."""
+    trained = module.trained
+    return [row for row, after in zip(trained, [*trained[1:], None], strict=True) if after is None or after[0] > row[0]]
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_a_group_trains_its_share_of_each_global_batch(monkeypatch: pytest.MonkeyPatch, group: int) -> None:
+    print(f"\nsampler seed {SEED}")
+    trainer, module = fit(monkeypatch, group, max_steps=2 * STEPS_PER_EPOCH + 1)
+    assert [indices for _, _, indices in module.trained] == [share(s, group) for s in range(trainer.global_step)]
+    assert [epoch for _, epoch, _ in module.trained] == [s // STEPS_PER_EPOCH for s in range(trainer.global_step)]
+
+
+def test_shares_of_the_groups_are_disjoint_and_cover_the_global_batch() -> None:
+    print(f"\nsampler seed {SEED}")
+    for step in range(2 * STEPS_PER_EPOCH):
+        shares = [share(step, g) for g in range(GROUPS)]
+        assert set(shares[0]).isdisjoint(shares[1]) and len(set(shares[0] + shares[1])) == B * GROUPS
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_a_train_loaders_sampler_is_made_its_groups_reader(groups: int) -> None:
+    """Group i of R reads what rank i of R would: its share of each global batch; the position it saves moves by the
+    whole global batch. An evaluation loader is left as it is; a group name outside the groups is refused."""
+    print(f"\nsampler seed {SEED}")
+    for index in range(groups):
+        loader = Indices().train_dataloader()
+        data.share(loader, groups, index)
+        expected = GlobalOrderSampler(range(N), num_replicas=groups, rank=index, seed=SEED)
+        assert len(loader) == N // groups // B and list(loader.sampler) == list(expected)
+        assert loader.sampler.state_dict()["consumed"] == N // groups * groups
+    evaluation = StatefulDataLoader(range(N), batch_size=B)
+    data.share(evaluation, groups, 1)
+    assert len(evaluation) == N // B
+    assert data.group_index("group_1", groups) == 1
+    with pytest.raises(ValueError, match=f"group_0 ... group_{groups - 1}"):
+        data.group_index(f"group_{groups}", groups)
+
+
+def test_a_discarded_steps_batch_is_read_again_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Discarded: the third step, the epoch's last batch (twice in a row) and the next epoch's first. Each is read
+    again by the next step; the committed steps read what an uninterrupted run reads, epoch by epoch."""
+    print(f"\nsampler seed {SEED}")
+    # quorum calls: 1, 2 commit steps 0, 1; 3 discards step 2; 4..7 commit 2..5 less the last: 7, 8 discard step 5 ...
+    discard = {3, 7, 8, 10}
+    trainer, module = fit(monkeypatch, 1, max_steps=2 * STEPS_PER_EPOCH, discard=discard)
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH
+    assert trainer.strategy.discarded_steps == len(discard)
+    assert len(module.trained) == 2 * STEPS_PER_EPOCH + len(discard)
+    for call in discard:  # the batch of a discarded step is the next step's, at the same global step
+        assert module.trained[call - 1] == module.trained[call]
+    rows = committed(module)
+    assert [indices for _, _, indices in rows] == [share(s, 1) for s in range(2 * STEPS_PER_EPOCH)]
+    assert [(step, epoch) for step, epoch, _ in rows] == [(s, s // STEPS_PER_EPOCH) for s in range(len(rows))]
+    assert module.last == [step % STEPS_PER_EPOCH == STEPS_PER_EPOCH - 1 for step, _, _ in module.trained]
+
+
+def transported(state: dict[str, Any]) -> dict[str, Any]:
+    """The state as the healing group receives it: saved and read back weights-only."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("step", [3, STEPS_PER_EPOCH - 1, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2])
+def test_a_healed_group_trains_its_share_of_its_peers_batch(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """group_0 is the peer: its state is taken in the quorum of its step ``step`` (mid-epoch, the epoch's last
+    batch, the next epoch's first, mid-way through it). A fresh group_1 heals from it in its first quorum: that step
+    trains group_1's share of the peer's batch, not the batch its own loop fetched, and every later step the share
+    of the same global batch as an uninterrupted run's, through the epochs' ends."""
+    print(f"\nsampler seed {SEED}")
+    taken: dict[str, Any] = {}
+
+    def take(call: int, peer_state: Any) -> None:
+        if call == step + 1:
+            taken.update(transported(peer_state.state_dict()))
+
+    peer, peer_module = fit(monkeypatch, 0, max_steps=step + 1, on_quorum=take)
+    assert taken["loop"]["optimizer_steps"] == step
+
+    def heal(call: int, peer_state: Any) -> None:
+        if call == 1:
+            peer_state.load_state_dict(taken)
+
+    max_steps = 3 * STEPS_PER_EPOCH
+    trainer, module = fit(monkeypatch, 1, max_steps=max_steps, on_quorum=heal)
+    assert trainer.global_step == max_steps
+    assert [indices for _, _, indices in module.trained] == [share(s, 1) for s in range(step, max_steps)]
+    assert [(s, epoch) for s, epoch, _ in module.trained] == [(s, s // STEPS_PER_EPOCH) for s in range(step, max_steps)]
+    assert module.last == [s % STEPS_PER_EPOCH == STEPS_PER_EPOCH - 1 for s in range(step, max_steps)]
+    assert trainer.current_epoch == max_steps // STEPS_PER_EPOCH  # the epochs ended where the peer's do
