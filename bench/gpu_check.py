@@ -64,8 +64,9 @@ EXACT = "configs/checkpoint/exact.yaml"  # deterministic kernels: chaos compares
 DRY_CPU = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.devices", "1",
            "--data.init_args.batch_size", "8"]  # fmt: skip
 DRY_TUTORIAL = [*DRY_CPU, "--model.init_args.model_type", "gpt-nano", "--data.init_args.num_workers", "0"]
-DRY_MAIN = [*DRY_CPU, "--model.init_args.n_layer", "2", "--model.init_args.n_head", "2", "--model.init_args.n_embd", "32",
-            "--model.init_args.compile", "false", "--model.init_args.warmup_steps", "5", "--data.init_args.block_size", "32"]  # fmt: skip
+DRY_MAIN = [*DRY_CPU, "--model.init_args.n_layer", "2", "--model.init_args.n_head", "2", "--model.init_args.n_embd",
+            "32", "--model.init_args.compile", "false", "--model.init_args.warmup_steps", "5",
+            "--data.init_args.block_size", "32"]  # fmt: skip
 DRY_MAIN_STEPS = ["--trainer.max_steps", "20", "--trainer.val_check_interval", "10",
                   "--trainer.limit_val_batches", "20", "--trainer.log_every_n_steps", "5"]  # fmt: skip
 REFERENCE_LINE = re.compile(r"^step\s+(\d+)\s+([\d.]+) s\s+train/loss ([\d.]+)\s+val/loss ([\d.]+)", re.M)
@@ -108,9 +109,10 @@ class Context:
         launched = time.time()
         rc = self.run(name, cmd, box)
         ev = read_clock(clock)
-        return rc, {"events": ev, "launched": launched, "first_step_s": ev["step"][0][0] - launched if ev["step"] else None,
+        first, steps = (ev["step"][0][0] - launched, int(ev["step"][-1][1])) if ev["step"] else (None, 0)
+        return rc, {"events": ev, "launched": launched, "first_step_s": first, "steps": steps,
                     "tokens_per_s": mean_after_first([e[2] for e in ev["tput"]]),
-                    "mfu": mean_after_first([e[3] for e in ev["tput"]]), "steps": int(ev["step"][-1][1]) if ev["step"] else 0}  # fmt: skip
+                    "mfu": mean_after_first([e[3] for e in ev["tput"]])}  # fmt: skip
 
     def start(self, name: str, cmd: list[str], box: float, env: dict[str, str] | None = None) -> subprocess.Popen:
         return launch.start_boxed(cmd, box, self.logs / f"{name}.log", env or self.env)

@@ -47,13 +47,12 @@ def measure(
     """One ``fault`` into the job of ``args.configs`` under torchrun, ``args.nproc_per_node`` workers (``node``: two
     agents of one worker each), ``fit_args`` appended, the job's output appended to ``args.log`` (None: discarded);
     the seconds of the module docstring."""
-    timeout_s, log = args.timeout, args.log
-    clock = work / "clock"
+    timeout_s, log, clock = args.timeout, args.log, work / "clock"
     if fault == "node":  # two agents of one process each, the README's multinode row made elastic
         port = launch.free_port()
+        conf = f"last_call_timeout={args.last_call},keep_alive_interval={args.keep_alive}"
         torchrun = ["--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_id", f"bench{port}",
-                  "--rdzv_endpoint", f"127.0.0.1:{port}",
-                  "--rdzv_conf", f"last_call_timeout={args.last_call},keep_alive_interval={args.keep_alive}"]  # fmt: skip
+                    "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", conf]  # fmt: skip
     else:
         torchrun = ["--standalone", "--nproc_per_node", str(args.nproc_per_node)]
     fit = ["--trainer.max_epochs", "-1", "--trainer.max_steps", "10000000",
@@ -96,12 +95,8 @@ def measure(
         restarted = min(t for t, pid in starts if pid not in before)
         first = min(after)
         done = max(step for t, step, pid in steps if pid in before and t <= faulted_at)
-        return {
-            "recovery": first[0] - faulted_at,
-            "to_restart": restarted - faulted_at,
-            "start_to_step": first[0] - restarted,
-            "repeated": done - (first[1] - 1),
-        }
+        return {"recovery": first[0] - faulted_at, "to_restart": restarted - faulted_at,
+                "start_to_step": first[0] - restarted, "repeated": done - (first[1] - 1)}  # fmt: skip
     finally:
         for a in agents:
             with contextlib.suppress(ProcessLookupError):
@@ -130,11 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     # A time box's SIGTERM (timeout(1)) ends the measurement through its `finally`: the job's process groups go too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seed = args.seed if args.seed is not None else random.randrange(2**31)
-    print(
-        f"seed {seed}; {' '.join(args.configs)} under torchrun, {args.nproc_per_node} processes, collective timeout "
-        f"{args.timeout} s; node: last_call_timeout {args.last_call} s, keep_alive_interval {args.keep_alive} s",
-        flush=True,
-    )
+    print(f"seed {seed}; {' '.join(args.configs)} under torchrun, {args.nproc_per_node} processes, collective timeout "
+          f"{args.timeout} s; node: last_call_timeout {args.last_call} s, keep_alive_interval {args.keep_alive} s",
+          flush=True)  # fmt: skip
     rng = random.Random(seed)
     print(markdown_table(COLUMNS, []), flush=True)
     results = {}
