@@ -50,7 +50,7 @@ def timed_steps(device: torch.device, model_type: str, batch_size: int, block_si
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = arguments(__doc__, json_help="also write the result here")
+    parser = arguments(__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=3, help="turns of each mode")
     parser.add_argument("--tiny", action="store_true", help="gpt-nano, 8 windows of 32, 5 steps")

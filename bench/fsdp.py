@@ -128,7 +128,7 @@ def step_time_ratio(size: str, steps: int, warmup: int, slice_s: float, timeout:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = arguments(__doc__, json_help="write the figures here")
+    parser = arguments(__doc__)
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per side, gpt-nano")
     parser.add_argument("--tutorial_steps", type=int, default=120, help="optimizer steps per side, tutorial size")
     turns.add_arguments(parser, warmup=10, slice_s=2.0)

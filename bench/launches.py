@@ -66,7 +66,7 @@ class Job:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    parser = arguments(__doc__, raw=True)
+    parser = arguments(__doc__)
     parser.add_argument("--reps", type=int, default=5, help="timed steps of each optimizer, taken by turns")
     parser.add_argument("--batch_size", type=int, default=4, help="sequences of 256 tokens per training step")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the same counts and the GPU's ms")

@@ -84,7 +84,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = arguments(__doc__, json_help="also write the evaluations here")
+    parser = arguments(__doc__)
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="cpu", help="nanoGPT's CPU or GPU recipe")
     parser.add_argument("--max_iters", type=int, default=2000, help="iterations (and lr_decay_iters)")
     parser.add_argument("--eval_interval", type=int, default=250)

@@ -63,7 +63,7 @@ def plain(mode: str, steps: int, clock: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = arguments(__doc__, json_help="write every figure here")
+    parser = arguments(__doc__)
     parser.add_argument("--target", type=float, default=1.886, help="val/loss both runs are timed to")
     parser.add_argument("--rounds", type=int, default=1, help="reference / make train pairs, alternating")
     parser.add_argument("--overhead_steps", type=int, default=2000, help="steps per side, lit-ddp fit / plain DDP")

@@ -78,15 +78,10 @@ def peak_flops(device: Any = "cpu", precision: str = "32-true", threads: int | N
     return best
 
 
-def arguments(
-    doc: str | None, raw: bool = False, json_help: str = "also write the results here"
-) -> argparse.ArgumentParser:
-    """A benchmark's parser: described by ``doc``'s first line (``raw``: all of it, as written), with ``--json``."""
-    if raw:
-        parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    else:
-        parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
-    parser.add_argument("--json", type=Path, default=None, help=json_help)
+def arguments(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser, its module docstring ``doc`` as ``--help`` shows it, with ``--json``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     return parser
 
 
