@@ -18,7 +18,7 @@ from lit_ddp.data.sources import DATA_ENV, EMBEDDED
 from lit_ddp.errors import UsageError
 from lit_ddp.launch.environment import config_value
 
-TEXT_DATA_CLASSES = ("lit_ddp.data.char.CharDataModule",)
+TEXT_DATA_CLASSES = ("lit_ddp.data.char.CharDataModule", "lit_ddp.data.device_char.DeviceCharDataModule")
 """The data modules whose ``path`` (else ``$LIT_DDP_DATA``) is a text: :class:`~lit_ddp.data.sources.TextSource`."""
 
 

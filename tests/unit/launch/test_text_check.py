@@ -27,10 +27,14 @@ def test_text_that_is_not_utf8_is_named_with_its_byte_before_any_process_starts(
     assert not (run / "config.yaml").exists()
 
 
-def test_the_environment_s_text_is_checked_too(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "class_path", ["lit_ddp.data.char.CharDataModule", "lit_ddp.data.device_char.DeviceCharDataModule"]
+)
+def test_the_environment_s_text_is_checked_too(tmp_path: Path, class_path: str) -> None:
+    """CharDataModule's text and gpu.yaml's (its batches built on the device), from ``$LIT_DDP_DATA``."""
     latin = tmp_path / "latin.txt"
     latin.write_bytes(b"ok \xff")
-    config = {"class_path": "lit_ddp.data.char.CharDataModule", "init_args": {"path": None}}
+    config = {"class_path": class_path, "init_args": {"path": None}}
     with pytest.raises(UsageError, match=r"byte 3 \(0xff\): invalid start byte"):
         check_text_data(config, {"LIT_DDP_DATA": str(latin)})
     check_text_data({"class_path": "lit_ddp.data.regression.RegressionDataModule"}, {"LIT_DDP_DATA": str(latin)})
