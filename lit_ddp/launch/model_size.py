@@ -27,7 +27,7 @@ from torch.nn.modules.module import (
 
 from lit_ddp.errors import UsageError
 from lit_ddp.launch.environment import config_value
-from lit_ddp.run_dir import untrusted
+from lit_ddp.run_dir import layout, untrusted
 
 EXTRA_BYTES = 1 << 30
 """Bytes a model may hold outside its state_dict (non-persistent buffers) beyond its state_dict's own size."""
@@ -36,7 +36,6 @@ TENSORS_PER_ENTRY, EXTRA_TENSORS = 4, 1000
 parameters and buffers: that model cannot be the checkpoint's."""
 BUILD_ERRORS = (TypeError, ValueError, RuntimeError, AttributeError, KeyError, IndexError, OverflowError)
 """What a constructor raises for hyperparameters it cannot build."""
-SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
 
 
 class _TooManyTensors(Exception):
@@ -185,7 +184,7 @@ def check_ckpt_builds_model(ckpt_path: str | None, model_config: Any) -> None:
     Raises:
         UsageError: what :func:`check_model_fits` raises, or a file that ``torch.load(weights_only=True)`` refuses.
     """
-    if ckpt_path is None or str(ckpt_path) in SPECIAL_CKPT_PATHS or not os.path.isfile(str(ckpt_path)):
+    if ckpt_path is None or str(ckpt_path) in layout.CKPT_PATH_KEYWORDS or not os.path.isfile(str(ckpt_path)):
         return
     class_path = config_value(model_config, "class_path")
     if not isinstance(class_path, str) or not class_path.startswith("lit_ddp."):

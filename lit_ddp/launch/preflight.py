@@ -46,7 +46,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp.errors import UsageError
 from lit_ddp.launch.environment import config_value, devices_per_node, leading_int
-from lit_ddp.run_dir import untrusted
+from lit_ddp.run_dir import layout, untrusted
 from lit_ddp.run_dir.checkpoints import checkpoint_header, is_valid_checkpoint
 from lit_ddp.run_dir.layout import last_checkpoint
 
@@ -304,7 +304,7 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
         UsageError: the file does not exist, or is truncated / not a torch checkpoint.
         UntrustedFileError: a URL, or a sharded checkpoint whose metadata holds more than its own classes.
     """
-    if ckpt_path is None or ckpt_path in ("last", "best", "hpc", "registry"):
+    if ckpt_path is None or ckpt_path in layout.CKPT_PATH_KEYWORDS:
         return
     import fsspec
 
@@ -378,7 +378,7 @@ def check_ckpt_matches_config(ckpt_path: str | None, model_config: Any) -> None:
     Raises:
         UsageError: the checkpoint was written by another LightningModule than the config's ``model``.
     """
-    if ckpt_path is None or ckpt_path in ("last", "best", "hpc", "registry") or model_config is None:
+    if ckpt_path is None or ckpt_path in layout.CKPT_PATH_KEYWORDS or model_config is None:
         return
     hparams = checkpoint_header(str(ckpt_path)).get("hyper_parameters") or {}
     saved_class = hparams.get("_class_path")

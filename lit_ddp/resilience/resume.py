@@ -147,7 +147,7 @@ def start_from(trainer: Trainer, ckpt_path: str | None, fit: bool) -> str | None
         NoValidCheckpointError: the run directory holds checkpoints and none has a readable header.
     """
     root = trainer.default_root_dir
-    if ckpt_path in ("last", "best", "hpc", "registry"):
+    if ckpt_path in layout.CKPT_PATH_KEYWORDS:
         return ckpt_path
     if ckpt_path is not None:
         ckpt_path = untrusted.local_path(ckpt_path)

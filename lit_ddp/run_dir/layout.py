@@ -26,6 +26,8 @@ DEFAULT_ROOT = "runs/default"
 RUN_ID = "LIT_DDP_RUN_ID"
 """Set, a run is ``<root>/<id>``: one per Slurm job (``slurm/train.sbatch`` sets the job id, which a requeue keeps)."""
 
+CKPT_PATH_KEYWORDS = ("last", "best", "hpc", "registry")
+"""``--ckpt_path`` values Lightning resolves itself to a checkpoint of the run (not file names)."""
 CHECKPOINTS = "checkpoints"
 """The folder of the checkpoint callback's files, in the run directory."""
 CKPT_SUFFIX = ".ckpt"
