@@ -204,8 +204,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         assert module is not None
-        if module.hparams.get("compile"):
-            raise ValueError("compile=True does not work with FSDP2Strategy yet: give false")
+        if compile_choice := module.hparams.get("compile"):
+            raise ValueError(f"compile={compile_choice} does not work with FSDP2Strategy yet: give false")
         if self.plan is not None:  # torch's clip_grad_norm_ refuses a mix of split (DTensor) and whole parameters
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
