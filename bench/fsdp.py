@@ -39,7 +39,7 @@ def local_bytes(tensor: torch.Tensor) -> int:
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """``{"params", "grads", "optimizer"}``: bytes this rank holds of each after a step."""
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {
         "params": sum(local_bytes(p) for p in params),
@@ -139,10 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     figures: dict[str, Any] = {"memory": {}, "step_time": {}}
     if "memory" in args.parts:
         print_memory(figures)
-    for size, steps, slice_s in (
-        ("gpt-nano", args.steps, args.slice_s),
-        ("tutorial", args.tutorial_steps, args.tutorial_slice_s),
-    ):
+    sizes = {"gpt-nano": (args.steps, args.slice_s), "tutorial": (args.tutorial_steps, args.tutorial_slice_s)}
+    for size, (steps, slice_s) in sizes.items():
         if size in args.parts:
             summary = step_time_ratio(size, steps, args.warmup, slice_s, args.timeout)
             figures["step_time"][size] = summary
@@ -157,10 +155,8 @@ def print_memory(figures: dict[str, Any]) -> None:
     for strategy in SIDES:
         for world_size in (1, 2):
             held = measure(strategy, world_size)["held"]
-            figures["memory"][f"{strategy}-{world_size}"] = {**held, "total": sum(held.values())}
-            rows.append(
-                [strategy, world_size, *(f"{v:,d}" for v in figures["memory"][f"{strategy}-{world_size}"].values())]
-            )
+            counted = figures["memory"][f"{strategy}-{world_size}"] = {**held, "total": sum(held.values())}
+            rows.append([strategy, world_size, *(f"{v:,d}" for v in counted.values())])
     print(markdown_table(["strategy", "procs", "params", "grads", "optimizer", "total"], rows))
     ratio = figures["memory"]["fsdp-2"]["total"] / figures["memory"]["ddp-2"]["total"]
     print(f"FSDP2 on 2 / DDP on 2: {ratio:.3f} of the bytes per rank", flush=True)

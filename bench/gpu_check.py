@@ -28,7 +28,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +121,8 @@ class Context:
         return launch.wait_boxed(self.start(name, cmd, box), box)
 
     def log(self, name: str) -> str:
-        try:
-            return (self.logs / f"{name}.log").read_text(errors="replace")
-        except OSError:
-            return ""
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
 
     def result(self, name: str, cmd: list[str], box: float, tail: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
         """Runs a benchmark script with ``--json <work>/<name>.json`` (then ``tail``): its exit status and its JSON
@@ -491,8 +489,7 @@ def main() -> int:
               f"{budget:.0f} s budget; main job config {main_config}")  # fmt: skip
     text = table(rows, header)
     (out / "table.md").write_text(text)
-    results = {r.part: {"status": r.status, "wall": r.wall, "box": r.box, "figures": r.figures, "data": r.data}
-               for r in rows}  # fmt: skip
+    results = {r.part: asdict(r) for r in rows}
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
         tar.add(logs, arcname="logs")
