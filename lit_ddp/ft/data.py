@@ -93,13 +93,13 @@ class BatchStart:
         read = int(compat.loop_progress(trainer)["batch"]["current"]["ready"])
         compat.reposition_train_loaders(trainer, start["loaders"], start["epoch"], read)
 
-    def heal(self, trainer: Trainer, start: dict[str, Any], progress: dict[str, Any]) -> Any:
+    def heal(self, trainer: Trainer, start: dict[str, Any], progress: dict[str, Any]) -> tuple[Any, int]:
         """Inside a healing step: the loop's epoch and batch counts set to the peer's ``progress``
         (:func:`lit_ddp.compat.loop_progress`), the loaders to the start of the peer's batch (``start``: the peer's
         :meth:`state`), and this group's share of that batch read. Returns it, prepared for the step as the loop
-        prepares a batch; the step trains it in place of the one the loop fetched."""
+        prepares a batch, and its index in the epoch: the step trains it in place of the one the loop fetched."""
         compat.set_loop_progress(trainer, progress)
         read = int(progress["batch"]["current"]["ready"]) - 1  # the peer's batch under way is not read here yet
         compat.reposition_train_loaders(trainer, start["loaders"], int(start["epoch"]), read)
         self.epoch, self.loaders = int(start["epoch"]), start["loaders"]
-        return compat.next_train_batch(trainer)
+        return compat.next_train_batch(trainer), read

@@ -31,7 +31,7 @@ class PeerState:
     def __init__(self, trainer: Trainer, batch_start: BatchStart) -> None:
         self.trainer = trainer
         self.batch_start = batch_start
-        self.batch: Any = None  # a healed step's batch, until the step takes it (take_batch)
+        self.batch: tuple[Any, int] | None = None  # a healed step's batch and its index, until the step takes it
 
     def state_dict(self) -> dict[str, Any]:
         """The fit's state now, at the start of a step (called on the peer, in torchft's quorum thread, while its
@@ -71,7 +71,8 @@ class PeerState:
             restore.restore_metric_states(module, state["metrics"])
         restore.restore_rng(state["rng"], trainer.strategy.root_device, trainer.local_rank)
 
-    def take_batch(self) -> Any:
-        """The batch a heal read for the step under way (None where this step did not heal), once."""
+    def take_batch(self) -> tuple[Any, int] | None:
+        """The batch a heal read for the step under way and its index in the epoch (None where this step did not
+        heal), once."""
         batch, self.batch = self.batch, None
         return batch

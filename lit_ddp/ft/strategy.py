@@ -179,14 +179,15 @@ class TorchFTStrategy(SingleDeviceStrategy):
             self.batch_start.mark(trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's, on the batch a heal in this step read (this group's share of its peer's batch) where there
-        is one, in place of the one the loop fetched from this group's stale position."""
+        """Lightning's, on the batch a heal in this step read (this group's share of its peer's batch, with its
+        index) where there is one, in place of the one the loop fetched from this group's stale position."""
         healed = self.peer_state.take_batch() if self.peer_state is not None else None
         if healed is not None:
-            if args:
-                args = (healed, *args[1:])
+            batch, batch_idx = healed
+            if len(args) >= 2:  # Lightning passes (batch, batch_idx[, dataloader_idx])
+                args = (batch, batch_idx, *args[2:])
             else:
-                kwargs["batch"] = healed
+                kwargs.update(batch=batch, batch_idx=batch_idx)
         return super().training_step(*args, **kwargs)
 
     def optimizer_step(
