@@ -78,12 +78,13 @@ def fit(
     max_steps: int,
     discard: set[int] = frozenset(),  # type: ignore[assignment]
     on_quorum: Callable[[int, Any], None] | None = None,
+    module_class: type[Indices] = Indices,
 ) -> tuple[Trainer, Indices]:
     monkeypatch.setattr(compat, "fault_tolerant_ddp", lambda manager, module: module)  # no all-reduce: one group
     monkeypatch.setattr(
         TorchFTStrategy, "_manager", lambda self, trainer: ScriptedManager(self.peer_state, discard, on_quorum)
     )
-    module = Indices()
+    module = module_class()
     trainer = Trainer(
         strategy=TorchFTStrategy(replica_id=f"group_{group}", replica_groups=GROUPS),
         accelerator="cpu",
@@ -143,6 +144,17 @@ def test_a_train_loaders_sampler_is_made_its_groups_reader(groups: int) -> None:
     assert data.group_index("group_1", groups) == 1
     with pytest.raises(ValueError, match=f"group_0 ... group_{groups - 1}"):
         data.group_index(f"group_{groups}", groups)
+
+
+def test_a_train_loader_without_the_global_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a GlobalOrderSampler each group would read the whole of its own order: refused before any step."""
+
+    class Plain(Indices):
+        def train_dataloader(self) -> StatefulDataLoader:
+            return StatefulDataLoader(TensorDataset(torch.arange(N, dtype=torch.float32)[:, None]), batch_size=B)
+
+    with pytest.raises(ValueError, match="train loader 0 has no lit_ddp.data.samplers.GlobalOrderSampler"):
+        fit(monkeypatch, 0, max_steps=1, module_class=Plain)
 
 
 def test_a_discarded_steps_batch_is_read_again_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
