@@ -108,7 +108,7 @@ bench-launches: venv
 bench-syncs: venv
 	$(BIN)/python -m bench.host_syncs $(BENCH_ARGS)
 
-# FSDP2 against DDP: bytes per rank (tutorial-size GPT, 1 and 2 processes) and step time side by side (~10 min).
+# FSDP2 against DDP: the bytes each rank holds after a step (tutorial-size GPT, 1 and 2 processes; about a minute).
 bench-fsdp: venv
 	$(BIN)/python -m bench.fsdp $(BENCH_ARGS)
 

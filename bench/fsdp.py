@@ -1,18 +1,13 @@
-"""What FSDP2 saves and costs against DDP (``make bench-fsdp``, about 12 minutes here): bytes per rank, then step time.
-
-1. **Memory**: the bytes of parameters, gradients and AdamW state a step leaves held per rank (a DTensor: its local
-   shard), for the tutorial's GPT (8 x 8 x 512, block 128) under DDP and FSDP2 on 1 and 2 gloo processes, with the
-   product's pieces (:func:`lit_ddp.recipe.build_optimizer`, :func:`lit_ddp.models.parallelize.shard`, a unit per
-   block); not counted: activations, DDP's gradient buckets, the block FSDP2 holds gathered while it computes.
-2. **Step time**: ``lit-ddp fit`` with ``configs/trainer/fsdp.yaml`` over ``ddp.yaml`` (the main job with AdamW,
-   validation and sampling off, 2 processes) in turns (:mod:`bench.harness.turns`), for gpt-nano and the tutorial's
-   size (batch 4 per process, a step near a second).
+"""What FSDP2 saves against DDP (``make bench-fsdp``; docs/fsdp.md, notebooks/06_fsdp2.ipynb): the bytes of
+parameters, gradients and AdamW state a step leaves held per rank (a DTensor: its local shard), for the tutorial's GPT
+(8 x 8 x 512, block 128) under DDP and FSDP2 on 1 and 2 gloo processes, with the product's pieces
+(:func:`lit_ddp.recipe.build_optimizer`, :func:`lit_ddp.models.parallelize.shard`, a unit per block), and FSDP2's
+collectives in that step. Not counted: activations, DDP's gradient buckets, the block FSDP2 holds gathered while it
+computes.
 """
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,14 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from bench.harness import turns
-from bench.harness.launch import NO_VALIDATION, QUIET, fit_command, free_port, gloo_group, without_samples
+from bench.harness.launch import free_port, gloo_group
 from bench.harness.measure import arguments, markdown_table, write_json
 from lit_ddp.models.gpt import GPT, Block, GPTConfig
 from lit_ddp.models.parallelize import shard
 from lit_ddp.recipe import build_optimizer
 
-SIDES = ("ddp", "fsdp")  # a round: an FSDP2 turn over the DDP turn before it
 VOCAB_SIZE = 65  # the embedded Tiny Shakespeare's characters
 
 
@@ -110,56 +103,20 @@ def measure(strategy: str, world_size: int) -> dict[str, Any]:
     return found[0]
 
 
-def step_time_ratio(size: str, steps: int, warmup: int, slice_s: float, timeout: float) -> dict[str, Any]:
-    """FSDP2 / DDP step time of the main job with AdamW at ``size`` (``gpt-nano`` or ``tutorial``), 2 processes,
-    validation and sampling off, in turns."""
-    extra = [] if size == "gpt-nano" else ["--model.init_args.model_type", "tutorial", "--data.batch_size", "4"]
-    with tempfile.TemporaryDirectory(prefix="bench_fsdp_") as tmp:
-        clocks = {side: Path(tmp) / f"{side}.clock" for side in SIDES}
-        commands = {}
-        for side in SIDES:
-            configs = (f"configs/trainer/{side}.yaml", "configs/mingpt/cpu.yaml")
-            args = ["--model.init_args.optimizer", "adamw", "--trainer.max_steps", str(steps), *NO_VALIDATION,
-                    without_samples(*configs), *QUIET, *extra]  # fmt: skip
-            commands[side] = fit_command(*configs, root=Path(tmp) / side, clock=clocks[side], args=args)
-        summary = turns.run_in_turns(commands, clocks, Path(tmp), slice_s, warmup, timeout)
-    summary["slice_s"] = slice_s
-    return summary
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = arguments(__doc__)
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per side, gpt-nano")
-    parser.add_argument("--tutorial_steps", type=int, default=120, help="optimizer steps per side, tutorial size")
-    turns.add_arguments(parser, warmup=10, slice_s=2.0)
-    parser.add_argument("--tutorial_slice_s", type=float, default=12.0, help="--slice_s at the tutorial's size")
-    parser.add_argument("--parts", nargs="+", default=["memory", "gpt-nano", "tutorial"], help="what to measure")
-    args = parser.parse_args(argv)
-
-    figures: dict[str, Any] = {"memory": {}, "step_time": {}}
-    if "memory" in args.parts:
-        print_memory(figures)
-    sizes = {"gpt-nano": (args.steps, args.slice_s), "tutorial": (args.tutorial_steps, args.tutorial_slice_s)}
-    for size, (steps, slice_s) in sizes.items():
-        if size in args.parts:
-            summary = step_time_ratio(size, steps, args.warmup, slice_s, args.timeout)
-            figures["step_time"][size] = summary
-            print(f"{size}: FSDP2 / DDP step time, 2 processes, turns of {slice_s:g} s: {turns.describe(summary)}")
+    args = arguments(__doc__).parse_args(argv)
+    print("bytes per rank after a step, the tutorial's GPT (8 x 8 x 512, block_size 128), fp32 + AdamW:")
+    figures, rows = {}, []
+    for strategy in ("ddp", "fsdp"):
+        for world_size in (1, 2):
+            figures[f"{strategy}-{world_size}"] = found = measure(strategy, world_size)
+            held = found["held"] = {**found["held"], "total": sum(found["held"].values())}
+            rows.append([strategy, world_size, *(f"{v:,d}" for v in held.values())])
+    print(markdown_table(["strategy", "procs", "params", "grads", "optimizer", "total"], rows))
+    ratio = figures["fsdp-2"]["held"]["total"] / figures["ddp-2"]["held"]["total"]
+    print(f"FSDP2 on 2 / DDP on 2: {ratio:.3f} of the bytes per rank", flush=True)
     write_json(args.json, figures)
     return figures
-
-
-def print_memory(figures: dict[str, Any]) -> None:
-    print("bytes per rank after a step, the tutorial's GPT (8 x 8 x 512, block_size 128), fp32 + AdamW:")
-    rows = []
-    for strategy in SIDES:
-        for world_size in (1, 2):
-            held = measure(strategy, world_size)["held"]
-            counted = figures["memory"][f"{strategy}-{world_size}"] = {**held, "total": sum(held.values())}
-            rows.append([strategy, world_size, *(f"{v:,d}" for v in counted.values())])
-    print(markdown_table(["strategy", "procs", "params", "grads", "optimizer", "total"], rows))
-    ratio = figures["memory"]["fsdp-2"]["total"] / figures["memory"]["ddp-2"]["total"]
-    print(f"FSDP2 on 2 / DDP on 2: {ratio:.3f} of the bytes per rank", flush=True)
 
 
 if __name__ == "__main__":
