@@ -183,10 +183,10 @@ def transported(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buffer, weights_only=True)
 
 
-@pytest.mark.parametrize("step", [3, STEPS_PER_EPOCH - 1, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2])
+@pytest.mark.parametrize("step", [0, 3, STEPS_PER_EPOCH - 1, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2])
 def test_a_healed_group_trains_its_share_of_its_peers_batch(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
-    """group_0 is the peer: its state is taken in the quorum of its step ``step`` (mid-epoch, the epoch's last
-    batch, the next epoch's first, mid-way through it). A fresh group_1 heals from it in its first quorum: that step
+    """group_0 is the peer: its state is taken in the quorum of its step ``step`` (the first, as torchft's initial
+    sync heals, mid-epoch, the epoch's last batch, the next epoch's first, mid-way through it). A fresh group_1 heals from it in its first quorum: that step
     trains group_1's share of the peer's batch, not the batch its own loop fetched, and every later step the share
     of the same global batch as an uninterrupted run's, through the epochs' ends."""
     print(f"\nsampler seed {SEED}")
