@@ -5,7 +5,8 @@ command runs in its own process group and only one runs at a time: the other is 
 and they swap every ``slice_s`` seconds. Start-up runs alone first, until each side's step clock shows a step. A step
 counts when it began and ended inside one of its side's turns, is not the turn's first (cold caches) and comes after
 the first ``warmup``. A *round* is a turn of the second side and the first side's turn before it; its ratio is the
-second's mean step time over the first's. No benchmarking library we know of interleaves multi-process programs.
+second's mean step time over the first's. (pyperf and pytest-benchmark time calls in one process: neither
+interleaves multi-process programs.)
 """
 
 from __future__ import annotations
