@@ -62,8 +62,9 @@ from jsonargparse import ArgumentParser, Namespace
 from lit_ddp.chaos.calibrated import verdict
 from lit_ddp.chaos.compare import compare
 from lit_ddp.chaos.job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
+from lit_ddp.chaos.replica_groups import WITNESS, group_dirs, groups_difference, print_group_faults, run_faulted_groups
 from lit_ddp.errors import UsageError
-from lit_ddp.run_dir import layout
+from lit_ddp.run_dir import layout, sharded
 
 KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
 # What each launcher can inject: a Slurm job's processes run on other machines, reached through scancel only.
@@ -71,6 +72,8 @@ LAUNCHER_KINDS = {
     "single": ("kill", "term", "save", "validation"),
     "torchrun": ("kill", "term", "hang", "node", "save", "validation"),
     "slurm": ("kill", "node", "term", "validation", "usr1"),
+    # a replica group's worker, or the whole group (today one process: the same signal); the launcher restarts it
+    "torchft": ("kill", "node"),
 }
 # slurm/train_elastic.sbatch: a torchrun agent per node restarts its workers; it has no SIGUSR1 handler (a USR1 would
 # end the agent), and a frozen worker is torchrun's to end.
@@ -95,12 +98,21 @@ def chaos_parser() -> ArgumentParser:
     parser.add_argument("--launcher", choices=tuple(LAUNCHER_KINDS), default="single")
     parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun: processes; slurm: tasks per node")
     parser.add_argument("--nodes", "--nnodes", type=int, default=1, help="slurm: nodes; torchrun: agents here")
-    parser.add_argument("--max-restarts", type=int | None, default=None, help="torchrun's (default: --faults)")
+    parser.add_argument("--replica_groups", type=int, default=2, help="torchft: replica groups (>= 2)")
+    parser.add_argument(
+        "--heartbeat_timeout_ms", type=int | None, default=None,
+        help="torchft: the lighthouse's (default the launcher's, 5000): a group silent this long is out of the quorum",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-restarts", type=int | None, default=None, help="torchrun's; torchft: each group's (default: --faults)"
+    )
     parser.add_argument(
         "--sbatch", type=Path, default=SBATCH_SCRIPT, help=f"slurm: the script (default {SBATCH_SCRIPT})"
     )
     parser.add_argument("--faults", type=int, default=2, help="faults to inject (>= 1)")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: kill term (slurm: usr1 node)")
+    parser.add_argument(
+        "--kinds", nargs="+", choices=KINDS, default=None, help="default: kill term (slurm: usr1 node; torchft: kill)"
+    )
     parser.add_argument("--seed", type=int | None, default=None, help="replays a fault schedule (printed)")
     parser.add_argument("--root", type=Path | None, default=None, help="run directories (default runs/chaos/<seed>)")
     parser.add_argument("--reference", type=Path | None, default=None, help="a finished uninterrupted run to reuse")
@@ -108,7 +120,8 @@ def chaos_parser() -> ArgumentParser:
     parser.add_argument(
         "--calibrated", type=float | None, default=None, metavar="K",
         help="runs with nondeterministic kernels: a second uninterrupted run measures the spread, the faulted run "
-        "must stay within K x it at every logged step (3 is the usual choice: a rerun falls outside it about 1 time in 500)",
+        "must stay within K x it at every logged step (3 is the usual choice: a rerun falls outside it about 1 time in 500; "
+        "torchft's default)",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each job may take")
     parser.add_argument("fit", nargs="*", default=[], help="after `--`: the arguments of lit-ddp fit")
@@ -125,6 +138,7 @@ def check(args: Namespace) -> tuple[Namespace, list[str]]:
     """
     fit = list(args.fit)
     fit = fit[1:] if fit[:1] == ["--"] else fit  # Python versions differ in whether argparse keeps the `--`
+    fit = fit[1:] if fit[:1] == ["fit"] else fit  # `-- fit --config ...`, as python -m lit_ddp.ft.launch takes it
     if not fit:
         raise UsageError(
             "lit-ddp chaos needs the run's fit arguments after `--`, e.g. `lit-ddp chaos --faults 2 -- --config "
@@ -132,19 +146,32 @@ def check(args: Namespace) -> tuple[Namespace, list[str]]:
         )
     if args.faults < 1:
         raise UsageError(f"--faults {args.faults}: give at least 1 (faults to inject into the run)")
-    if args.nodes < 1 or (args.nodes > 1 and args.launcher == "single"):
-        raise UsageError(f"--nodes {args.nodes}: give 1 for --launcher single, at least 1 for torchrun and slurm")
+    if args.nodes < 1 or (args.nodes > 1 and args.launcher in ("single", "torchft")):
+        raise UsageError(
+            f"--nodes {args.nodes}: give 1 for --launcher single and torchft, at least 1 for torchrun and slurm"
+        )
+    if args.launcher == "torchft":
+        if args.replica_groups < 2:
+            raise UsageError(
+                f"--replica_groups {args.replica_groups}: give at least 2 (a fault needs a group that survives it)"
+            )
+        if args.rtol:  # its trajectory differs by the shares the lost group did not train
+            raise UsageError("--launcher torchft compares by --calibrated K (default 3), not --rtol")
+        if args.calibrated is None:
+            args.calibrated = 3.0
     if args.max_restarts is None:
         args.max_restarts = args.faults
     args.elastic = args.launcher == "slurm" and args.sbatch.name == ELASTIC_SCRIPT.name
     possible = ELASTIC_KINDS if args.elastic else LAUNCHER_KINDS[args.launcher]
     if args.kinds is None:
-        args.kinds = ["usr1", "node"] if args.launcher == "slurm" else ["kill", "term"]
+        args.kinds = {"slurm": ["usr1", "node"], "torchft": ["kill"]}.get(args.launcher, ["kill", "term"])
+    torchft = args.launcher == "torchft"
     if wrong := [k for k in args.kinds if k not in possible]:
         raise UsageError(
             f"--kinds {' '.join(wrong)}: --launcher {args.launcher}{' with ' + str(args.sbatch) if args.elastic else ''} "
             f"injects {', '.join(possible)}"
-            + (" (one process has no peer to wait for a frozen one)" if "hang" in wrong else "")
+            + (" (one process has no peer to wait for a frozen one)" if "hang" in wrong and not torchft else "")
+            + (" (what its launcher restarts: a group's worker, or the whole group)" if torchft else "")
         )
     if args.launcher == "slurm":
         if shutil.which("sbatch") is None:
@@ -323,6 +350,8 @@ def chaos_main(config: Namespace) -> int:
         if took is None:
             print(f"lit-ddp chaos: the uninterrupted run failed; its output: {ref_job.log}", file=sys.stderr)
             return 1
+    if args.launcher == "torchft":
+        return torchft_main(args, fit, schedule, reference, took)
     if not Path(layout.last_checkpoint(str(reference))).exists():  # a file, or a sharded directory
         print(f"lit-ddp: error: {reference} holds no {layout.CHECKPOINTS}/{layout.LAST}", file=sys.stderr)
         return UsageError.exit_code
@@ -371,6 +400,60 @@ def chaos_main(config: Namespace) -> int:
             "as well; add --config configs/checkpoint/exact.yaml for a bit-for-bit comparison"
         )
     return 1
+
+
+def torchft_main(
+    args: Namespace, fit: list[str], schedule: list[Fault], reference: Path, took: tuple[float, float] | None
+) -> int:
+    """``lit-ddp chaos --launcher torchft``, once the uninterrupted run is there: the second one, the faulted one
+    (:func:`lit_ddp.chaos.replica_groups.run_faulted_groups`), its table, the groups against each other bit for bit,
+    and the witness group against the uninterrupted runs' by the calibrated comparison. Returns the exit status: 1
+    where a survivor restarted, the groups differ or the comparison fails."""
+    witness = Path(WITNESS)
+    if not Path(layout.last_checkpoint(str(reference / witness))).exists():
+        print(f"lit-ddp: error: {reference / witness} holds no {layout.CHECKPOINTS}/{layout.LAST}", file=sys.stderr)
+        return UsageError.exit_code
+    second = Job(args, fit, args.root / "reference2", faulted=False)
+    if run_reference(second, args.timeout) is None:
+        print(f"lit-ddp chaos: the second uninterrupted run failed; its output: {second.log}", file=sys.stderr)
+        return 1
+    steps = int(sharded.read_whole(Path(layout.last_checkpoint(str(reference / witness))))["global_step"])
+    every = max(1, steps // (2 * args.faults))
+    offsets = ", ".join(f"{f.kind} +{max(1, round(f.delay * every))}" for f in schedule)
+    print(f"the uninterrupted run trained {steps} steps; steps past the groups' last common start: {offsets}")
+    job = Job(args, fit, args.root / "faulted", faulted=True)
+    try:
+        faults, seconds = run_faulted_groups(job, schedule, every, args.timeout)
+    except RuntimeError as e:
+        print(f"lit-ddp chaos: {e}", file=sys.stderr)
+        return 1
+    print_group_faults(faults)
+    if took:
+        print(f"the faults cost {seconds - took[0]:.1f} s ({seconds:.1f} s against {took[0]:.1f} s uninterrupted)")
+    failures = []
+    if restarted := sum(f["restarts"] for f in faults):
+        failures.append(f"the survivors restarted {restarted} times (their pids changed)")
+    dirs = group_dirs(job.output())
+    if (difference := groups_difference(dirs)) is None:
+        print(f"groups: {', '.join(d.name for d in dirs)} end identical, bit for bit (global_step, weights, optimizer)")
+    else:
+        failures.append(f"the groups' last checkpoints differ, first at {difference}")
+    failure, lines = verdict(
+        reference / witness,
+        args.root / "reference2" / witness,
+        args.root / "faulted" / witness,
+        args.calibrated,
+        [],
+        torchft=True,
+    )
+    print("\n".join(lines))
+    if failure is None:
+        print(f"{witness}: train loss within {args.calibrated:g} x the spread of two uninterrupted runs")
+    else:
+        failures.append(f"{witness}: {failure}")
+    for line in failures:
+        print(f"DIFFERENT: {line}")
+    return 1 if failures else 0
 
 
 def calibrated_report(args: Namespace, reference: Path, resumed: list[int]) -> int:

@@ -37,7 +37,8 @@ class Fault:
 
 
 def workers(proc: subprocess.Popen, launcher: str) -> list[int]:
-    """The training processes: the process itself (single) or torchrun's children."""
+    """The training processes: the process itself (single), torchrun's children, or the replica groups'
+    processes (torchft: the children of ``python -m lit_ddp.ft.launch``)."""
     if launcher == "single":
         return [proc.pid] if proc.poll() is None else []
     out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
@@ -80,7 +81,9 @@ class Job:
 
     def __init__(self, args: Namespace, fit: list[str], root: Path, faulted: bool) -> None:
         self.args, self.root, self.name = args, root, "faulted" if faulted else "reference"
-        extra = ["--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false"]
+        # torchft: the launcher gives each group its run directory, <root>/group_<i>
+        extra = [] if args.launcher == "torchft" else ["--trainer.default_root_dir", str(root)]
+        extra += ["--trainer.enable_progress_bar", "false"]
         if faulted and "hang" in args.kinds:
             extra += ["--trainer.strategy.init_args.timeout", HANG_TIMEOUT]
         # in every run alike (a reference may serve a later --calibrated call)
@@ -95,6 +98,12 @@ class Job:
             launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc_per_node),
                         "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.2"]  # fmt: skip
             self.cmd = [*launcher, "-m", "lit_ddp", "fit", *fit, *extra]
+        elif args.launcher == "torchft":  # the lighthouse and R groups, each group restarted by the launcher
+            launcher = [sys.executable, "-m", "lit_ddp.ft.launch", "--replica_groups", str(args.replica_groups),
+                        "--root", str(root), "--max_restarts", str(args.max_restarts)]  # fmt: skip
+            if args.heartbeat_timeout_ms is not None:
+                launcher += ["--heartbeat_timeout_ms", str(args.heartbeat_timeout_ms)]
+            self.cmd = [*launcher, "--", "fit", *fit, *extra]
         else:
             self.env.setdefault("LIT_DDP_PYTHON", sys.executable)
             tasks = args.nproc_per_node
@@ -254,11 +263,12 @@ class Job:
         subprocess.run(step, capture_output=True, timeout=60, env=self.env)
         return f"{'a process of ' if one else ''}node {node}"
 
-    def progress(self) -> tuple[str, int, int] | None:
+    def progress(self, run_dir: Path | None = None) -> tuple[str, int, int] | None:
         """``(phase, global_step, pid)`` of the run's rank zero as it last told them
-        (:class:`~lit_ddp.chaos.phase_probe.PhaseProbe`); None before it told any (or while it writes)."""
+        (:class:`~lit_ddp.chaos.phase_probe.PhaseProbe`), in ``run_dir`` (default: the job's; torchft: a group's);
+        None before it told any (or while it writes)."""
         try:
-            phase, step, pid = (self.root / PHASE_FILE).read_text().split()
+            phase, step, pid = ((run_dir or self.root) / PHASE_FILE).read_text().split()
             return phase, int(step), int(pid)
         except (OSError, ValueError):
             return None
@@ -291,6 +301,9 @@ class Job:
                 subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
             return
         for agent in self.procs:  # torchrun's workers run in sessions of their own, a frozen one included
+            if self.args.launcher == "torchft":  # the launcher and its groups share its session: all at once, so
+                with contextlib.suppress(ProcessLookupError):  # that it restarts none of them meanwhile
+                    os.killpg(agent.pid, signal.SIGKILL)
             for pid in [*workers(agent, self.args.launcher), agent.pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

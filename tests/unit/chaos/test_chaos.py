@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from lit_ddp.chaos.cli import checkpoint_interval, deterministic, plan, print_faults, run_faulted
+from lit_ddp.chaos.cli import chaos_parser, check, checkpoint_interval, deterministic, plan, print_faults, run_faulted
 from lit_ddp.chaos.compare import compare_scalars, first_difference
-from lit_ddp.chaos.job import Fault
+from lit_ddp.chaos.job import Fault, Job
+from lit_ddp.chaos.replica_groups import current_pids, group_dirs, print_group_faults
 from lit_ddp.cli import cli_main
 
 FIT = ["--", "--config", "configs/regression/single_device.yaml"]
@@ -29,7 +30,16 @@ FIT = ["--", "--config", "configs/regression/single_device.yaml"]
         ),
         (["--launcher", "torchrun", "--kinds", "kill", "usr1", *FIT], "--kinds usr1: --launcher torchrun injects"),
         (["--rtol", "-1", *FIT], "--rtol -1.0: give 0 (bit for bit) or a positive"),
-        (["--nnodes", "2", *FIT], "--nodes 2: give 1 for --launcher single, at least 1 for torchrun and slurm"),
+        (
+            ["--nnodes", "2", *FIT],
+            "--nodes 2: give 1 for --launcher single and torchft, at least 1 for torchrun and slurm",
+        ),
+        (["--launcher", "torchft", "--replica_groups", "1", *FIT], "--replica_groups 1: give at least 2"),
+        (
+            ["--launcher", "torchft", "--kinds", "kill", "term", *FIT],
+            "--kinds term: --launcher torchft injects kill, node (what its launcher restarts",
+        ),
+        (["--launcher", "torchft", "--rtol", "0.1", *FIT], "--launcher torchft compares by --calibrated K"),
         (
             ["--launcher", "slurm", "--sbatch", "slurm/train_elastic.sbatch", "--kinds", "usr1", *FIT],
             "--kinds usr1: --launcher slurm with slurm/train_elastic.sbatch injects kill, hang, node, term, validation",
@@ -210,3 +220,41 @@ def test_deterministic_reads_the_run_s_saved_config(tmp_path: Path) -> None:
     assert not deterministic(tmp_path)
     (tmp_path / "config.yaml").write_text("trainer:\n  deterministic: true\n")
     assert deterministic(tmp_path)
+
+
+def test_torchft_runs_under_its_launcher_with_the_calibrated_comparison(tmp_path: Path) -> None:
+    """``--launcher torchft``: ``python -m lit_ddp.ft.launch`` with R groups, each group's restarts, the fit's
+    arguments after ``--`` (a leading ``fit`` as the launcher takes them), no run directory of the tool's (the
+    launcher gives each group ``<root>/group_<i>``); ``kill`` by default, compared by ``--calibrated 3``."""
+    argv = ["--launcher", "torchft", "--replica_groups", "3", "--faults", "2", "--heartbeat_timeout_ms", "1000",
+            "--root", str(tmp_path), "--", "fit", "--config", "configs/trainer/torchft.yaml"]  # fmt: skip
+    args, fit = check(chaos_parser().parse_args(argv))
+    assert fit == ["--config", "configs/trainer/torchft.yaml"]
+    assert args.kinds == ["kill"] and args.calibrated == 3.0 and args.max_restarts == 2
+    cmd = Job(args, fit, tmp_path / "faulted", faulted=True).cmd
+    assert cmd[1:11] == ["-m", "lit_ddp.ft.launch", "--replica_groups", "3", "--root", str(tmp_path / "faulted"),
+                         "--max_restarts", "2", "--heartbeat_timeout_ms", "1000"]  # fmt: skip
+    assert cmd[11:15] == ["--", "fit", "--config", "configs/trainer/torchft.yaml"]
+    assert "--trainer.default_root_dir" not in cmd
+
+
+def test_the_torchft_table_reads_the_launcher_s_lines(capsys: pytest.CaptureFixture) -> None:
+    """The groups' pids and run directories come from the launcher's lines (the newest start of each); the table
+    gives per fault the group hit, the survivors' restarts, their longest pause, their steps while the group was
+    down and the seconds until it was back ("-": never)."""
+    output = (
+        "lit_ddp.ft.launch: lighthouse http://127.0.0.1:1 (bind 127.0.0.1:0)\n"
+        "lit_ddp.ft.launch: group_0 pid 10 run directory runs/x/group_0\n"
+        "lit_ddp.ft.launch: group_1 pid 11 run directory runs/x/group_1\n"
+        "lit_ddp.ft.launch: group_1 exited with -9: restart 1\n"
+        "lit_ddp.ft.launch: group_1 pid 12 run directory runs/x/group_1\n"
+    )
+    assert current_pids(output) == {"group_0": 10, "group_1": 12}
+    assert group_dirs(output) == [Path("runs/x/group_0"), Path("runs/x/group_1")]
+    back = {"kind": "kill", "group": "group_1", "pid": 11, "t": 8.25, "step": 180, "restarts": 0, "stall": 2.04,
+            "during": 44, "back": 3.71}  # fmt: skip
+    never = {**back, "kind": "node", "restarts": 1, "during": 220, "back": None}
+    print_group_faults([back, never])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [["1", "kill", "group_1", "pid", "11", "8.2", "180", "0", "2.0", "44", "3.7"],
+                    ["2", "node", "group_1", "pid", "11", "8.2", "180", "1", "2.0", "220", "-"]]  # fmt: skip

@@ -1,0 +1,208 @@
+"""``lit-ddp chaos --launcher torchft``: faults in one replica group of a torchft job (``python -m lit_ddp.ft.launch``)
+while the others train on, what they cost the survivors, and the groups compared with each other.
+
+A fault here is not followed by a resume: the launcher starts the lost group again, which heals from a live peer;
+the others are meant to go on without a restart. So the tool watches each group's ``.chaos_phase`` (its pid and
+committed step, :class:`~lit_ddp.chaos.phase_probe.PhaseProbe`) and the launcher's lines naming each group's pid at
+each start, and reports per fault: the survivors' restarts (new pids of groups the fault did not hit), their
+longest pause between two committed steps until the group was back (the training the fault cost them: about the
+lighthouse's heartbeat timeout, or less where the restarted group joins sooner), the steps they committed while the
+group was down, and the seconds until the healed group committed a step past the fault's (it heals to the
+survivors' step at its first quorum). ``group_0`` is never a target: it is the witness whose run directory the
+calibrated comparison reads (a hit group misses the steps of its outage); with one process per group every group is
+alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from lit_ddp.chaos.compare import first_difference
+from lit_ddp.chaos.job import Fault, Job
+from lit_ddp.run_dir import layout, sharded
+
+# python -m lit_ddp.ft.launch prints this at every start of a group's process
+STARTED = re.compile(r"^lit_ddp\.ft\.launch: (\S+) pid (\d+) run directory (\S+)$", re.M)
+WITNESS = "group_0"  # the group no fault hits (above), as the launcher names it (<root>/group_<i>)
+
+
+def starts(output: str) -> list[tuple[str, int, Path]]:
+    """``(group, pid, run directory)`` of every start of a group's process the launcher printed, in order."""
+    return [(group, int(pid), Path(run_dir)) for group, pid, run_dir in STARTED.findall(output)]
+
+
+def group_dirs(output: str) -> list[Path]:
+    """The groups' run directories, in the order of their first start (``group_0`` first)."""
+    return list({group: run_dir for group, _, run_dir in starts(output)}.values())
+
+
+def current_pids(output: str) -> dict[str, int]:
+    """Each group's process id now: the newest start the launcher printed."""
+    return {group: pid for group, pid, _ in starts(output)}
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [d for child in map(int, out.split()) for d in (child, *_descendants(child))]
+
+
+def inject(fault: Fault, pid: int | None) -> int | None:
+    """SIGKILLs a group's worker ``pid`` (``kill``) or the whole group (``node``: the worker and its processes at
+    once; with one process per group the same process); returns ``pid``, or None where it does not run."""
+    if pid is None or not Path(f"/proc/{pid}").exists():
+        return None
+    victims = [pid, *_descendants(pid)] if fault.kind == "node" else [pid]
+    for victim in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    return pid
+
+
+def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: float) -> tuple[list[dict], float]:
+    """Runs the torchft job under the ``schedule``; returns one record per fault and the job's seconds in all.
+
+    Each fault comes once every group commits steps with its current process (at the start, or the previous fault's
+    group healed), ``delay x every`` steps later; it hits one of the groups but the witness (``target`` picks it).
+    A record holds the group and pid hit, the seconds into the job, the survivors' step then, and, as the job goes
+    on, the survivors' longest pause between two committed steps until the hit group was back (``stall``: the
+    training the fault cost them), the seconds until the hit group committed a step past the fault's (``back``),
+    the survivors' steps in between (``during``) and their restarts meanwhile (``restarts``).
+
+    Raises:
+        RuntimeError: the job failed (a group out of the launcher's restarts), finished before a fault, or did not
+            finish within ``timeout`` seconds.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    job.start()
+    faults: list[dict] = []
+    seen = {"at": 0.0, "text": ""}
+
+    def output() -> str:
+        """The launcher's output, read again at most every 0.2 s (the tool shares the job's CPUs)."""
+        if time.monotonic() - seen["at"] > 0.2:
+            seen["at"], seen["text"] = time.monotonic(), job.output()
+        return seen["text"]
+
+    def step_of(group_dir: Path, pid: int | None = None) -> int | None:
+        now = job.progress(group_dir)
+        return None if now is None or (pid is not None and now[2] != pid) else now[1]
+
+    def watch() -> None:
+        """Notes, for each fault whose group is not back yet, the survivors' pauses and steps and the group's return."""
+        text = output()
+        pids, dirs = current_pids(text), {g: d for g, _, d in starts(text)}
+        for f in faults:
+            if f["back"] is not None:
+                continue
+            survivors = [s for s in (step_of(dirs[g], pids[g]) for g in pids if g != f["group"]) if s is not None]
+            now = time.monotonic() - start
+            if survivors and max(survivors) > f["last"][0]:  # the survivors stepped: the pause since their last step
+                f["stall"] = max(f["stall"], now - f["last"][1])
+                f["last"] = (max(survivors), now)
+            # back with the others: its new process at a step past the fault's, and at least the survivors' (less
+            # one: the files are read one after the other), while they still run (not one that trained alone
+            # from its own checkpoint after they finished)
+            healed = job.progress(dirs[f["group"]])
+            running = [g for g in pids if g != f["group"] and Path(f"/proc/{pids[g]}").exists()]
+            if (healed is not None and healed[2] != f["pid"] and healed[1] > f["step"] and running
+                    and healed[1] >= max(survivors, default=0) - 1):  # fmt: skip
+                f["back"], f["during"] = now - f["t"], max(survivors, default=f["step"]) - f["step"]
+                f["restarts"] = sum(1 for g, _, _ in starts(text)[f["starts"] :] if g != f["group"])
+
+    def together(since: int) -> int | None:
+        """The groups' highest committed step where every group has committed one past ``since`` with its current
+        process, else None."""
+        text = output()
+        pids, dirs = current_pids(text), {g: d for g, _, d in starts(text)}
+        steps = [step_of(dirs[g], pids[g]) for g in pids]
+        if len(steps) < job.args.replica_groups or any(s is None or s <= since for s in steps):
+            return None
+        return max(s for s in steps if s is not None)
+
+    def alive() -> None:
+        if (status := job.poll()) is not None:
+            if status == 0:
+                raise RuntimeError(f"the run finished before fault {len(faults) + 1}: give it more steps")
+            raise RuntimeError(f"the faulted job failed with status {status}; its output: {job.log}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fault {len(faults) + 1} found no moment within --timeout {timeout:.0f} s")
+
+    try:
+        since = 0
+        for fault in schedule:
+            while (now := together(since)) is None:
+                alive()
+                watch()
+                time.sleep(0.02)
+            group = f"group_{1 + min(int(fault.target * (job.args.replica_groups - 1)), job.args.replica_groups - 2)}"
+            at = now + max(1, round(fault.delay * every))
+            while True:
+                alive()
+                watch()
+                dirs = {g: d for g, _, d in starts(output())}
+                steps = [s for d in dirs.values() if (s := step_of(d)) is not None]
+                victim = current_pids(output()).get(group)
+                if steps and max(steps) >= at and (pid := inject(fault, victim)) is not None:
+                    break
+                time.sleep(0.01)
+            hit = max(s for g, d in dirs.items() if g != group and (s := step_of(d)) is not None)
+            t = time.monotonic() - start
+            faults.append({"kind": fault.kind, "group": group, "pid": pid, "t": t, "step": hit, "last": (hit, t),
+                           "starts": len(starts(output())), "stall": 0.0, "back": None, "during": None,
+                           "restarts": None})  # fmt: skip
+            while faults[-1]["back"] is None:  # the next fault only once this one's group is back
+                if job.poll() is not None or time.monotonic() > deadline:
+                    break
+                watch()
+                time.sleep(0.02)
+            since = hit + (faults[-1]["during"] or 0)
+        while (status := job.poll()) is None:
+            watch()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the faulted job did not finish within --timeout {timeout:.0f} s")
+            time.sleep(0.02)
+        watch()
+        if status != 0:
+            raise RuntimeError(f"the faulted job failed with status {status}; its output: {job.log}")
+    finally:
+        job.stop()
+    for f in faults:  # a group never back: the survivors' restarts and steps until the end
+        if f["restarts"] is None:
+            f["restarts"] = sum(1 for g, _, _ in starts(job.output())[f["starts"] :] if g != f["group"])
+            f["during"] = f["last"][0] - f["step"]
+    return faults, time.monotonic() - start
+
+
+def print_group_faults(faults: list[dict]) -> None:
+    """The table: per fault its kind, the group and pid hit, seconds into the job, the survivors' step then, their
+    restarts, their longest pause (seconds lost), the steps they committed while the group was down and the seconds
+    until the group was back at a step with them ("-": not before the job's end)."""
+    print(f"{'fault':>5s}  {'kind':6s} {'target':>18s} {'at s':>7s} {'at step':>8s} {'survivor restarts':>17s} "
+          f"{'lost s':>7s} {'steps while down':>16s} {'back s':>7s}")  # fmt: skip
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for i, f in enumerate(faults):
+        print(
+            f"{i + 1:5d}  {f['kind']:6s} {f['group'] + ' pid ' + str(f['pid']):>18s} {f['t']:7.1f} {f['step']:8d} "
+            f"{f['restarts']:17d} {f['stall']:7.1f} {num(f['during'], 'd'):>16s} {num(f['back'], '.1f'):>7s}"
+        )
+
+
+def groups_difference(dirs: list[Path]) -> str | None:
+    """The first entry where a group's ``last.ckpt`` (global_step, weights, optimizer states) differs from the first
+    group's, bit for bit, named with the group's run directory; None where all agree."""
+    first, *others = (sharded.read_whole(Path(layout.last_checkpoint(str(d)))) for d in dirs)
+    for run_dir, other in zip(dirs[1:], others, strict=True):
+        for key in ("global_step", "state_dict", "optimizer_states"):
+            if (found := first_difference(first.get(key), other.get(key), key)) is not None:
+                return f"{run_dir.name}: {found}"
+    return None
