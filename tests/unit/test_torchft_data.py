@@ -30,6 +30,8 @@ class Indices(LightningModule):
     """Trains on the dataset indices themselves, recording ``(global_step, epoch, indices)`` of every step, and
     whether Lightning took its batch for the epoch's last (``is_last_batch``, which ends the epoch)."""
 
+    workers = 0  # the train loader's worker processes
+
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(1, 1)
@@ -49,7 +51,11 @@ class Indices(LightningModule):
     def train_dataloader(self) -> StatefulDataLoader:
         dataset = TensorDataset(torch.arange(N, dtype=torch.float32)[:, None])
         sampler = GlobalOrderSampler(dataset, num_replicas=1, rank=0, seed=SEED)  # the strategy makes it a share
-        return StatefulDataLoader(dataset, batch_size=B, sampler=sampler)
+        return StatefulDataLoader(dataset, batch_size=B, sampler=sampler, num_workers=self.workers)
+
+
+class WithAWorker(Indices):
+    workers = 1  # the loader's state then holds its worker's: the repositions load it into a new worker
 
 
 class ScriptedManager:
@@ -157,13 +163,16 @@ def test_a_train_loader_without_the_global_order_is_refused(monkeypatch: pytest.
         fit(monkeypatch, 0, max_steps=1, module_class=Plain)
 
 
-def test_a_discarded_steps_batch_is_read_again_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("module_class", [Indices, WithAWorker], ids=["no workers", "a worker"])
+def test_a_discarded_steps_batch_is_read_again_at_the_next_step(
+    monkeypatch: pytest.MonkeyPatch, module_class: type[Indices]
+) -> None:
     """Discarded: the third step, the epoch's last batch (twice in a row) and the next epoch's first. Each is read
     again by the next step; the committed steps read what an uninterrupted run reads, epoch by epoch."""
     print(f"\nsampler seed {SEED}")
     # quorum calls: 1, 2 commit steps 0, 1; 3 discards step 2; 4..7 commit 2..5 less the last: 7, 8 discard step 5 ...
     discard = {3, 7, 8, 10}
-    trainer, module = fit(monkeypatch, 1, max_steps=2 * STEPS_PER_EPOCH, discard=discard)
+    trainer, module = fit(monkeypatch, 1, max_steps=2 * STEPS_PER_EPOCH, discard=discard, module_class=module_class)
     assert trainer.global_step == 2 * STEPS_PER_EPOCH
     assert trainer.strategy.discarded_steps == len(discard)
     assert len(module.trained) == 2 * STEPS_PER_EPOCH + len(discard)
@@ -183,8 +192,15 @@ def transported(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buffer, weights_only=True)
 
 
-@pytest.mark.parametrize("step", [0, 3, STEPS_PER_EPOCH - 1, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2])
-def test_a_healed_group_trains_its_share_of_its_peers_batch(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+@pytest.mark.parametrize(
+    ("step", "module_class"),
+    [(0, Indices), (3, Indices), (3, WithAWorker), (STEPS_PER_EPOCH - 1, Indices), (STEPS_PER_EPOCH, Indices)]
+    + [(STEPS_PER_EPOCH + 2, Indices)],
+    ids=["first", "mid-epoch", "mid-epoch, a worker", "last of an epoch", "first of the next", "mid-way through it"],
+)
+def test_a_healed_group_trains_its_share_of_its_peers_batch(
+    monkeypatch: pytest.MonkeyPatch, step: int, module_class: type[Indices]
+) -> None:
     """group_0 is the peer: its state is taken in the quorum of its step ``step`` (the first, as torchft's initial
     sync heals, mid-epoch, the epoch's last batch, the next epoch's first, mid-way through it). A fresh group_1 heals from it in its first quorum: that step
     trains group_1's share of the peer's batch, not the batch its own loop fetched, and every later step the share
@@ -196,7 +212,7 @@ def test_a_healed_group_trains_its_share_of_its_peers_batch(monkeypatch: pytest.
         if call == step + 1:
             taken.update(transported(peer_state.state_dict()))
 
-    peer, peer_module = fit(monkeypatch, 0, max_steps=step + 1, on_quorum=take)
+    peer, peer_module = fit(monkeypatch, 0, max_steps=step + 1, on_quorum=take, module_class=module_class)
     assert taken["loop"]["optimizer_steps"] == step
 
     def heal(call: int, peer_state: Any) -> None:
@@ -204,7 +220,7 @@ def test_a_healed_group_trains_its_share_of_its_peers_batch(monkeypatch: pytest.
             peer_state.load_state_dict(taken)
 
     max_steps = 3 * STEPS_PER_EPOCH
-    trainer, module = fit(monkeypatch, 1, max_steps=max_steps, on_quorum=heal)
+    trainer, module = fit(monkeypatch, 1, max_steps=max_steps, on_quorum=heal, module_class=module_class)
     assert trainer.global_step == max_steps
     assert [indices for _, _, indices in module.trained] == [share(s, 1) for s in range(step, max_steps)]
     assert [(s, epoch) for s, epoch, _ in module.trained] == [(s, s // STEPS_PER_EPOCH) for s in range(step, max_steps)]
