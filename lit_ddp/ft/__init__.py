@@ -8,6 +8,8 @@ stops no one else (the others go on at the next step); a restarted group takes t
 - ``strategy.py``: :class:`~lit_ddp.ft.strategy.TorchFTStrategy`, the Lightning strategy of one replica group
   (``configs/trainer/torchft.yaml``);
 - ``heal.py``: :class:`~lit_ddp.ft.heal.PeerState`, what a healing group takes from a live peer;
+- ``data.py``: each group's share of every global batch, and where a step's batch began (a discarded step's batch
+  read again, a healed group's position taken from its peer);
 - ``launch.py``: ``python -m lit_ddp.ft.launch``, the lighthouse on loopback and R replica groups on one machine.
 
 Nothing outside this subpackage imports torchft.
