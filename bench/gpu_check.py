@@ -328,29 +328,23 @@ def stack_dump(pid: int, log: Path) -> str:
 
 def part_three(ctx: Context, box: float) -> Row:
     """Three one-process tutorial fits at once; each must exit within LINGER_S of its last optimizer step."""
-    steps = 10 if ctx.dry else 30
-    env = {**ctx.env, "PYTHONFAULTHANDLER": "1"}
-    jobs = []
-    t0 = time.monotonic()
+    steps, jobs, t0 = 10 if ctx.dry else 30, [], time.monotonic()
+    env = {**ctx.env, "PYTHONFAULTHANDLER": "1"}  # SIGABRT: every thread's traceback
+    args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), *(DRY_TUTORIAL if ctx.dry else [])]
     for i in (1, 2, 3):
-        args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), *(DRY_TUTORIAL if ctx.dry else [])]
         cmd, clock = ctx.fit(f"three{i}", DDP, TUTORIAL, GPU, args=args)
         jobs.append({"proc": ctx.start(f"three{i}", cmd, box, env), "clock": clock, "exit": None, "dump": None})
-    while any(j["exit"] is None for j in jobs):
+    while any(j["exit"] is None for j in jobs) and time.monotonic() - t0 <= box + launch.KILL_GRACE:
         now = time.time()
         for i, j in enumerate(jobs, 1):
-            if j["exit"] is not None:
-                continue
-            if j["proc"].poll() is not None:
+            if j["exit"] is None and j["proc"].poll() is not None:
                 j["exit"] = now
-                continue
-            ev = read_clock(j["clock"])
-            done = [e[0] for e in ev["step"] if e[1] >= steps] or [e[0] for e in ev["end"]]
-            late = (done and now - done[0] > ctx.linger_s) or time.monotonic() - t0 > box - launch.KILL_GRACE - 3
-            if late and j["dump"] is None and ev["start"]:
-                j["dump"] = stack_dump(int(ev["start"][0][1]), ctx.logs / f"three{i}.log")
-        if time.monotonic() - t0 > box + launch.KILL_GRACE:
-            break
+            elif j["exit"] is None and j["dump"] is None:
+                ev = read_clock(j["clock"])
+                done = [e[0] for e in ev["step"] if e[1] >= steps] or [e[0] for e in ev["end"]]
+                late = (done and now - done[0] > ctx.linger_s) or time.monotonic() - t0 > box - launch.KILL_GRACE - 3
+                if late and ev["start"]:  # its stacks, while it lingers
+                    j["dump"] = stack_dump(int(ev["start"][0][1]), ctx.logs / f"three{i}.log")
         time.sleep(0.2)
     exits, lines, ok = [], [], True
     for i, j in enumerate(jobs, 1):

@@ -393,12 +393,11 @@ def main(argv: list[str] | None = None) -> StepSyncs:
     parser.add_argument("--max_steps", type=int, default=12)
     parser.add_argument("--log_every_n_steps", type=int, default=5)
     parser.add_argument("--val_check_interval", type=int, default=10)
-    parser.add_argument("--from_step", type=int, default=1, help="the first global step counted")
     parser.add_argument("--where", action="store_true", help="name the code of each sync")
     args, fit_args = parser.parse_known_args(argv)
     with tempfile.TemporaryDirectory() as root:
         job = gpu_job_args(args.max_steps, args.log_every_n_steps, args.val_check_interval)
-        counted = count_fit([*job, *fit_args], root, args.from_step)
+        counted = count_fit([*job, *fit_args], root)
     rows = [[s.step, *("yes" if f else "" for f in (s.logs, s.saves, s.validates)), s.syncs, s.ops]
             for s in counted.steps.values()]  # fmt: skip
     print(markdown_table(["step", "logs", "saves", "validates", "host syncs", "aten ops on device tensors"], rows))

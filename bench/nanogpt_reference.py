@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_iters", type=int, default=2000, help="iterations (and lr_decay_iters)")
     parser.add_argument("--eval_interval", type=int, default=250)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
-    parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--stop_at_target", action="store_true", help="end at the first evaluation <= --target")
     for name, value in RECIPES["gpu"].items():  # --target: report when val loss first reaches it; float32: no autocast
         kind = {"action": argparse.BooleanOptionalAction} if isinstance(value, bool) else {"type": type(value)}
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True  # nanoGPT's train.py
         torch.backends.cudnn.allow_tf32 = True
     lr, min_lr, warmup, beta2, weight_decay, grad_clip = 1e-3, 1e-4, 100, 0.99, 0.1, 1.0
-    torch.manual_seed(args.seed)
+    torch.manual_seed(1337)  # nanoGPT's
     vocab, train, val = load_splits()
     sizes = {k: recipe[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout")}
     raw_model = GPT(GPTConfig(**sizes, vocab_size=len(vocab), bias=False)).to(device)

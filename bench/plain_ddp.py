@@ -30,6 +30,7 @@ from lit_ddp.recipe import warmup_cosine_schedule
 from lit_ddp.strategies import ddp_buffer_kwargs
 
 CONFIGS = ("configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml")  # make train's
+SEED = 1337
 
 
 def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, batch_size: int) -> None:
@@ -37,14 +38,14 @@ def train_loop(rank: int, world: int, args: argparse.Namespace, threads: int, ba
     torch.set_num_threads(threads)
     module, optimizer = recipe_model(*args.configs)
     model, hp = module.model, module.hparams
-    torch.manual_seed(args.seed)
+    torch.manual_seed(SEED)
     text = read_embedded_text()
     dataset = CharWindows(encode(text[: int(0.9 * len(text))], build_vocab(text)), hp["block_size"])  # train split
     if world > 1:
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
         net: torch.nn.Module = DDP(model, **ddp_buffer_kwargs(False))  # as configs/trainer/ddp.yaml
     else:
-        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed))
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(SEED))
         net = model
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     scheduler = warmup_cosine_schedule(optimizer, hp["warmup_steps"], args.steps, hp["min_lr_ratio"])
@@ -72,7 +73,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mode", choices=["ddp", "single"], default="ddp")
     parser.add_argument("--configs", nargs="+", default=CONFIGS, help="the job's YAMLs, in --config order")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--clock", type=Path, required=True, help="the step clock's file")
     args = parser.parse_args(argv)
     settings = yaml_settings(*args.configs)
