@@ -8,7 +8,7 @@ boolean-mask indexing) on one, its ``.tolist`` / ``.numpy`` / ``.cpu``, or a blo
 factory functions on the device. :class:`StepSyncs` books them to each training step (on CUDA:
 ``torch.cuda.set_sync_debug_mode("warn")``'s warnings).
 
-    python -m bench.host_syncs        # a tiny gpu.yaml fit on this CPU, the syncs and aten ops of each step
+    python -m bench.host_syncs [--where] [FIT ARGUMENTS]   # a tiny gpu.yaml fit on this CPU, each step's counts
 """
 
 from __future__ import annotations
@@ -368,13 +368,13 @@ def summary_text(summary: dict[str, Any]) -> str:
     return text
 
 
-def count_fit(args: list[str], root: str, from_step: int = 1) -> StepSyncs:
+def count_fit(args: list[str], root: str) -> StepSyncs:
     """``lit-ddp fit`` of ``args`` (gpu.yaml's) in ``root`` with :class:`StepSyncs` added: its counts."""
     from lit_ddp.cli import cli_main
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cli = cli_main(["fit", *args, *callback_args(None, from_step, 0), "--trainer.default_root_dir", root])
+        cli = cli_main(["fit", *args, *callback_args(None, 1, 0), "--trainer.default_root_dir", root])
     assert cli is not None
     from bench.host_syncs import StepSyncs as Added  # the class the CLI imported (this one may run as __main__)
 
@@ -390,14 +390,10 @@ def gpu_job_args(max_steps: int = 12, log_every_n_steps: int = 5, val_check_inte
 
 def main(argv: list[str] | None = None) -> StepSyncs:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max_steps", type=int, default=12)
-    parser.add_argument("--log_every_n_steps", type=int, default=5)
-    parser.add_argument("--val_check_interval", type=int, default=10)
     parser.add_argument("--where", action="store_true", help="name the code of each sync")
-    args, fit_args = parser.parse_known_args(argv)
+    args, fit_args = parser.parse_known_args(argv)  # the rest go to the fit, after gpu_job_args' (--trainer.max_steps)
     with tempfile.TemporaryDirectory() as root:
-        job = gpu_job_args(args.max_steps, args.log_every_n_steps, args.val_check_interval)
-        counted = count_fit([*job, *fit_args], root)
+        counted = count_fit([*gpu_job_args(), *fit_args], root)
     rows = [[s.step, *("yes" if f else "" for f in (s.logs, s.saves, s.validates)), s.syncs, s.ops]
             for s in counted.steps.values()]  # fmt: skip
     print(markdown_table(["step", "logs", "saves", "validates", "host syncs", "aten ops on device tensors"], rows))
