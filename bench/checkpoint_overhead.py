@@ -20,9 +20,9 @@ from bench.harness.launch import QUIET, REPO, fit_command
 from bench.harness.measure import alternate, arguments, markdown_table, timing, write_json
 from lit_ddp.cli import LitDDPCLI
 
-# The configs as `make train` composes them (the Makefile's CONFIGS); the run below makes it one process.
-CONFIGS = ("configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml")
-SHARDED_CONFIGS = ("configs/trainer/fsdp.yaml", "configs/mingpt/cpu.yaml")
+# The configs as `make train` composes them, made one process below (--sharded: under FSDP2)
+CONFIGS = {False: ("configs/trainer/ddp.yaml", "configs/mingpt/cpu.yaml"),
+           True: ("configs/trainer/fsdp.yaml", "configs/mingpt/cpu.yaml")}  # fmt: skip
 VARIANTS = {  # the checkpoint IO plugin, or under --sharded FSDP2Strategy's async_save
     "none": (None, None),
     "sync": ("lit_ddp.resilience.checkpoint_io.AtomicCheckpointIO", "false"),
@@ -45,10 +45,9 @@ def run_variant(name: str, steps: int, every: int, root: Path, ns: argparse.Name
         args += ["--checkpoint.every_n_train_steps", str(every), "--trainer.strategy.init_args.async_save", async_save]
     else:
         args += ["--checkpoint.every_n_train_steps", str(every), "--trainer.plugins", plugin]
-    configs = SHARDED_CONFIGS if ns.sharded else CONFIGS
-    cli = LitDDPCLI(args=fit_command(*(str(REPO / c) for c in configs), root=root / name, args=args)[4:], run=False)
-    clock = StepClock(str(root / f"{name}.clock"))
-    cli.trainer.callbacks.append(clock)
+    configs = (str(REPO / c) for c in CONFIGS[ns.sharded])
+    cli = LitDDPCLI(args=fit_command(*configs, root=root / name, args=args)[4:], run=False)
+    cli.trainer.callbacks.append(StepClock(str(root / f"{name}.clock")))
     blocked: list[tuple[float, float]] = []  # (start, seconds) of each call
     saves: list[tuple[float, float]] = []
     ckpt = cli.trainer.checkpoint_callback

@@ -49,8 +49,7 @@ def run_make_train(target: float, work: Path, name: str, extra: list[str]) -> di
 def in_turns(commands: dict[str, list[str]], work: Path, args: Any, timeout: float = 1800.0) -> dict[str, Any]:
     """The two commands, each writing its step clock at ``<work>/<side>.clock``, in turns: the summary of
     :func:`bench.harness.turns.run_in_turns`, and per side its tokens/s and MFU."""
-    clocks = {side: work / f"{side}.clock" for side in commands}
-    summary = turns.run_in_turns(commands, clocks, work, args.slice_s, args.warmup, timeout)
+    summary = turns.run_in_turns(commands, work, args.slice_s, args.warmup, timeout)
     for side, job in summary["job"].items():
         figures = job_figures(job, summary["mean_step_s"][side], peak_flops(threads=int(job[2])))
         summary[side] = {**figures, "steps_counted": summary["steps_counted"][side]}
@@ -97,7 +96,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows.append(("time to loss, make train / reference", f"{statistics.median(ratios):.2f}{spread}", "target <= 0.60"))  # fmt: skip
         if "overhead" not in args.skip:
             work, steps = Path(tmp) / "overhead", ["--trainer.max_steps", str(args.overhead_steps)]
-            work.mkdir()
             fit = [*NO_VALIDATION, without_samples(*CONFIGS), *steps]
             lightning = fit_command(*CONFIGS, root=work / "run", clock=work / "lightning.clock", args=fit)
             commands = {"plain": plain("ddp", args.overhead_steps, work / "plain.clock"), "lightning": lightning}
@@ -111,7 +109,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows.append((f"{side} DDP: tokens/s (2 x 1 thread)", f"{s['tokens_per_s']:,.0f}", f"MFU {100 * s['mfu']:.1f}%"))  # fmt: skip
         if "scaling" not in args.skip:
             work = Path(tmp) / "scaling"
-            work.mkdir()
             modes = {m: plain(m, args.steps, work / f"{m}.clock") for m in ("ddp", "single")}
             sc = results["scaling"] = in_turns(modes, work, args)
             rows.append(("DDP scaling: tokens/s 2 x 1 thread / 1 x 2 threads", f"{sc['ratio_median']:.3f} ({sc['ratio_median_ci95'][0]:.3f}-{sc['ratio_median_ci95'][1]:.3f})", f"median of {sc['rounds']} rounds (95% interval); same global batch"))  # fmt: skip

@@ -98,11 +98,13 @@ def bootstrap_median_interval(values: list[float], resamples: int = 2000, seed: 
 
 
 def run_in_turns(
-    commands: dict[str, list[str]], clocks: dict[str, Path], work: Path, slice_s: float, warmup: int, timeout: float
+    commands: dict[str, list[str]], work: Path, slice_s: float, warmup: int, timeout: float
 ) -> dict[str, Any]:
-    """Runs the two ``commands`` in turns, each writing its step clock at ``clocks``: :func:`summarize`'s figures, and
-    ``job``: each side's clock ``job`` line. RuntimeError: a side failed (its log's tail); TimeoutError."""
+    """Runs the two ``commands`` in turns, each writing its step clock at ``<work>/<side>.clock``: :func:`summarize`'s
+    figures, and ``job``: each side's clock ``job`` line. RuntimeError: a side failed (its log's tail); TimeoutError."""
+    work.mkdir(parents=True, exist_ok=True)
     logs = {side: work / f"{side}.log" for side in commands}
+    clocks = {side: work / f"{side}.clock" for side in commands}
     procs: dict[str, subprocess.Popen] = {}
     try:
         for side, cmd in commands.items():  # start-up alone: the turns begin with both sides past their first step
