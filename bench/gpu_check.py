@@ -370,10 +370,9 @@ def part_chaos(ctx: Context, box: float, strategy: str, kind: str, name: str) ->
     root = ctx.work / name
     shutil.rmtree(root, ignore_errors=True)
     steps, every = (24, 6) if ctx.dry else (100, 20)
-    args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), "--checkpoint.every_n_train_steps", str(every)]
-    fit = launch.fit_command(
-        strategy, TUTORIAL, FAULT_TOLERANT, EXACT, GPU, args=args + (DRY_TUTORIAL if ctx.dry else [])
-    )
+    args = ["--trainer.devices", "1", "--trainer.max_steps", str(steps), "--checkpoint.every_n_train_steps", str(every),
+            *(DRY_TUTORIAL if ctx.dry else [])]  # fmt: skip
+    fit = launch.fit_command(strategy, TUTORIAL, FAULT_TOLERANT, EXACT, GPU, args=args)
     # lit-ddp chaos takes the fit's arguments after `--`: fit[4:], those after "python -m lit_ddp fit"
     cmd = [sys.executable, "-m", "lit_ddp", "chaos", "--launcher", "single", "--faults", "1", "--kinds", kind, "--seed",
            "1", "--root", str(root), "--timeout", str(int(box)), "--", *fit[4:]]  # fmt: skip
@@ -397,9 +396,9 @@ def part_generate(ctx: Context, box: float) -> Row:
     if ckpt is None:
         return Row("generate", "no checkpoint", f"none of {', '.join(names)} under {ctx.work} holds last.ckpt")
     device = "cpu" if ctx.dry else "cuda"
-    base = [sys.executable, "-m", "lit_ddp", "generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "200"]
+    cmd = [sys.executable, "-m", "lit_ddp", "generate", "--ckpt_path", str(ckpt), "--max_new_tokens", "200"]
     t0 = time.monotonic()
-    rc = ctx.run("generate", [*base, "--device", device], box)
+    rc = ctx.run("generate", [*cmd, "--device", device], box)
     seconds = time.monotonic() - t0
     sample = " ".join(line.strip() for line in ctx.log("generate").splitlines()[1:] if line.strip())[:60]
     figures = (

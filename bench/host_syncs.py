@@ -23,7 +23,6 @@ import tempfile
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,12 +98,12 @@ class HostSyncs(AtenOps):
         self.mark(out)
 
     def __enter__(self) -> HostSyncs:
-        self._patch(torch.Tensor, "tolist", self._reads)
-        self._patch(torch.Tensor, "numpy", self._reads)
-        self._patch(torch.Tensor, "cpu", self._reads)
-        self._patch(torch.Tensor, "to", self._copies)
-        self._patch(torch, "tensor", self._makes)
-        self._patch(torch, "as_tensor", self._makes)
+        for owner, name, wrap in ((torch.Tensor, "tolist", self._reads), (torch.Tensor, "numpy", self._reads),
+                                  (torch.Tensor, "cpu", self._reads), (torch.Tensor, "to", self._copies),
+                                  (torch, "tensor", self._makes), (torch, "as_tensor", self._makes)):  # fmt: skip
+            original = getattr(owner, name)
+            self._patched.append((owner, name, original))
+            setattr(owner, name, wrap(name, original))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -112,11 +111,6 @@ class HostSyncs(AtenOps):
         while self._patched:
             owner, name, original = self._patched.pop()
             setattr(owner, name, original)
-
-    def _patch(self, owner: Any, name: str, wrap: Callable[[str, Any], Any]) -> None:
-        original = getattr(owner, name)
-        self._patched.append((owner, name, original))
-        setattr(owner, name, wrap(name, original))
 
     def _reads(self, name: str, original: Any) -> Any:
         def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
