@@ -1,6 +1,6 @@
 """The main job's speed in one table (``make bench-speed``, about 15 minutes; docs/speed.md, "The speed table"), each
 figure a ratio of two runs side by side: time from launch to val/loss ``--target`` of :mod:`bench.nanogpt_reference`
-against ``make train`` (``--rounds`` alternates them); in turns (:mod:`bench.harness.turns`), the step time of
+against ``make train``; in turns (:mod:`bench.harness.turns`), the step time of
 ``lit-ddp fit`` against :mod:`bench.plain_ddp` (2 gloo processes, validation and sampling off), and DDP scaling
 (:mod:`bench.plain_ddp`'s two modes); MFU against the fp32 matmul peak.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -19,7 +18,7 @@ from typing import Any
 from bench.harness import turns
 from bench.harness.clock import job_figures, read_clock
 from bench.harness.launch import NO_VALIDATION, clock_args, fit_command, run, without_samples
-from bench.harness.measure import alternate, arguments, fmt, markdown_table, peak_flops, write_json
+from bench.harness.measure import arguments, fmt, markdown_table, peak_flops, write_json
 from bench.plain_ddp import CONFIGS
 
 
@@ -31,10 +30,10 @@ def run_reference(target: float, work: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def run_make_train(target: float, work: Path, name: str, extra: list[str]) -> dict[str, Any]:
+def run_make_train(target: float, work: Path, extra: list[str]) -> dict[str, Any]:
     """``make train`` in a fresh run directory; seconds from launch to the first val/loss <= ``target``."""
-    clock = work / f"{name}.clock"
-    args = " ".join(["--trainer.default_root_dir", str(work / name), *extra, *clock_args(clock)])
+    clock = work / "train.clock"
+    args = " ".join(["--trainer.default_root_dir", str(work / "train"), *extra, *clock_args(clock)])
     launch = time.time()
     run(["make", "-s", "--no-print-directory", "train", f"ARGS={args}"])
     total = time.time() - launch
@@ -53,7 +52,9 @@ def in_turns(commands: dict[str, list[str]], work: Path, args: Any, timeout: flo
     for side, job in summary["job"].items():
         figures = job_figures(job, summary["mean_step_s"][side], peak_flops(threads=int(job[2])))
         summary[side] = {**figures, "steps_counted": summary["steps_counted"][side]}
-    print(f"{' / '.join(reversed(commands))} step time, turns of {args.slice_s:g} s: {turns.describe(summary)}")
+    low, high = summary["ratio_median_ci95"]
+    print(f"{' / '.join(reversed(commands))} step time, turns of {args.slice_s:g} s: median {summary['ratio_median']:.3f} "
+          f"({low:.3f}-{high:.3f}) over {summary['rounds']} rounds", flush=True)  # fmt: skip
     return summary
 
 
@@ -64,7 +65,6 @@ def plain(mode: str, steps: int, clock: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = arguments(__doc__)
     parser.add_argument("--target", type=float, default=1.886, help="val/loss both runs are timed to")
-    parser.add_argument("--rounds", type=int, default=1, help="reference / make train pairs, alternating")
     parser.add_argument("--overhead_steps", type=int, default=2000, help="steps per side, lit-ddp fit / plain DDP")
     parser.add_argument("--steps", type=int, default=600, help="steps per side of the DDP scaling measurement")
     turns.add_arguments(parser, warmup=30, slice_s=1.0)
@@ -75,25 +75,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="bench_speed_") as tmp:
         if "time" not in args.skip:
-            names = iter(range(args.rounds))
-            sides = {"reference": lambda: run_reference(args.target, Path(tmp)),
-                     "make train": lambda: run_make_train(args.target, Path(tmp), f"train_{next(names)}", args.train_args)}  # fmt: skip
-            pairs = [
-                dict(zip(sides, p, strict=True)) for p in zip(*alternate(sides, args.rounds).values(), strict=True)
-            ]
-            ratios = []
-            for p in pairs:
-                ref, ours = p["reference"]["seconds_to_target"], p["make train"]["seconds_to_target"]
-                p["ratio"] = ours / ref if ours and ref else None
-                ratios += [p["ratio"]] if p["ratio"] else []
-                rows.append((f"nanoGPT CPU recipe: s to val/loss {args.target}", fmt(ref, ".1f", "not reached"), "plain loop, 1 process"))  # fmt: skip
-                rows.append((f"make train: s to val/loss {args.target}", fmt(ours, ".1f", "not reached"), "from launch"))  # fmt: skip
-                rows.append(("make train: wall s, launch to exit", f"{p['make train']['total_s']:.1f}", "target <= 120"))  # fmt: skip
-                rows.append(("make train: final val/loss", f"{p['make train']['final_val_loss']:.3f}", "target <= 1.70"))  # fmt: skip
-            results["time_to_target"] = pairs
-            if ratios:
-                spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
-                rows.append(("time to loss, make train / reference", f"{statistics.median(ratios):.2f}{spread}", "target <= 0.60"))  # fmt: skip
+            reference = run_reference(args.target, Path(tmp))
+            train = run_make_train(args.target, Path(tmp), args.train_args)
+            ref, ours = reference["seconds_to_target"], train["seconds_to_target"]
+            ratio = ours / ref if ours and ref else None
+            results["time_to_target"] = {"reference": reference, "make train": train, "ratio": ratio}
+            rows.append((f"nanoGPT CPU recipe: s to val/loss {args.target}", fmt(ref, ".1f", "not reached"), "plain loop, 1 process"))  # fmt: skip
+            rows.append((f"make train: s to val/loss {args.target}", fmt(ours, ".1f", "not reached"), "from launch"))
+            rows.append(("make train: wall s, launch to exit", f"{train['total_s']:.1f}", "target <= 120"))
+            rows.append(("make train: final val/loss", f"{train['final_val_loss']:.3f}", "target <= 1.70"))
+            rows.append(("time to loss, make train / reference", fmt(ratio, ".2f"), "target <= 0.60"))
         if "overhead" not in args.skip:
             work, steps = Path(tmp) / "overhead", ["--trainer.max_steps", str(args.overhead_steps)]
             fit = [*NO_VALIDATION, without_samples(*CONFIGS), *steps]

@@ -70,14 +70,13 @@ def fit_command(
     return cmd + list(args) + (clock_args(clock) if clock else [])
 
 
-def run(cmd: list[str], timeout: float | None = None, **kwargs: Any) -> str:
+def run(cmd: list[str]) -> str:
     """Runs ``cmd`` in the repository with :func:`bench_env`; its output.
 
     Raises:
         RuntimeError: it failed, with its output's tail.
     """
-    kwargs.setdefault("env", bench_env())
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs)
+    done = subprocess.run(cmd, cwd=REPO, env=bench_env(), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return done.stdout

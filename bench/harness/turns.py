@@ -160,14 +160,3 @@ def summarize(rounds: list[dict[str, Any]], first: str, second: str) -> dict[str
         "mean_step_s": {side: statistics.mean(pooled[side]) for side in pooled},
         "steps_counted": {side: len(pooled[side]) for side in pooled},
     }
-
-
-def describe(summary: dict[str, Any]) -> str:
-    """One line: the median ratio, its interval, quartiles, min-max and the pooled ratios."""
-    low, high = summary["ratio_median_ci95"]
-    return (
-        f"median {summary['ratio_median']:.3f} over {summary['rounds']} rounds (95% interval of the median "
-        f"{low:.3f}-{high:.3f}; quartiles {summary['ratio_q1']:.3f}-{summary['ratio_q3']:.3f}, min "
-        f"{summary['ratio_min']:.3f}, max {summary['ratio_max']:.3f}); all counted steps: ratio of means "
-        f"{summary['pooled_ratio_of_means']:.3f}, of medians {summary['pooled_ratio_of_medians']:.3f}"
-    )
