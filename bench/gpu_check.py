@@ -231,21 +231,18 @@ def part_reference(ctx: Context, box: float) -> Row:
                 "--n_embd", "32", "--block_size", "32", "--batch_size", "8", "--max_iters", "40",
                 "--eval_interval", "10", "--eval_iters", "2", "--threads", "1"]  # fmt: skip
     rc, result = ctx.result("reference", cmd, box)
-    evals = (
-        [(e["seconds"], e["val_loss"]) for e in result["evals"]] if result else reference_evals(ctx.log("reference"))
-    )
-    marks = seconds_to_marks(evals)
+    evals = [(e["seconds"], e["val_loss"]) for e in result["evals"]] if result else None
+    marks = seconds_to_marks(evals or reference_evals(ctx.log("reference")))
     ms, tokens, mfu = result.get("ms_per_iter"), result.get("tokens_per_s"), result.get("mfu")
     eval_iters = result.get("eval_iters", 2 if ctx.dry else 200)
     to_mark = marks[MARKS[-1]]
     gpu = ctx.rows["setup"].data.get("gpu", "") if "setup" in ctx.rows else ""
+    within = None
     if ms is not None and to_mark is not None and "H100" in gpu:
         measured = {"ms_per_iter": ms, "seconds_to_mark": to_mark}
         within = all(abs(measured[k] / v - 1) <= 0.10 for k, v in NANOGPT_H100.items())
-        check = "reproduces" if within else "does NOT reproduce"
-        check += " nanoGPT's H100 figures (14.5 ms/iter, ~80 s) within 10 %"
-    else:
-        check = "nanoGPT's H100 figures (14.5 ms/iter, ~80 s to 1.4697) not compared (no H100 or no figures)"
+    verdict = {None: "not compared (no H100 or no figures)", True: "reproduced", False: "NOT reproduced"}[within]
+    check = f"nanoGPT's H100 figures (14.5 ms/iter, ~80 s to 1.4697) within 10 %: {verdict}"
     figures = (
         f"nanoGPT GPU recipe: {marks_text(marks)}; {fmt(ms)} ms/iter; {fmt(tokens, ',.0f')} tokens/s; "
         f"MFU {fmt(mfu, '.3f')}; eval {eval_iters} batches per split; {check}"
@@ -262,9 +259,7 @@ def ratio_row(ctx: Context) -> Row | None:
     pairs = [(main.data.get("marks", {}).get(m), ref.data.get("marks", {}).get(m)) for m in MARKS]
     parts = [fmt(a / b if a is not None and b else None, ".2f") for a, b in pairs]
     ratio = parts[-1]
-    status = (
-        "-" if ratio == "-" else ("PASS" if float(ratio) <= RATIO_TARGET else "FAIL") + f" (target <= {RATIO_TARGET})"
-    )
+    status = "-" if ratio == "-" else f"{'PASS' if float(ratio) <= RATIO_TARGET else 'FAIL'} (target <= {RATIO_TARGET})"
     figures = f"main / reference, time to val/loss {' / '.join(f'{m:g}' for m in MARKS)}: {' / '.join(parts)}"
     return Row("ratio", status, figures)
 
