@@ -72,7 +72,8 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
     A record holds the group and pid hit, the seconds into the job, the survivors' step then, and, as the job goes
     on, the survivors' longest pause between two committed steps until the hit group was back (``stall``: the
     training the fault cost them), the seconds until the hit group committed a step past the fault's (``back``),
-    the survivors' steps in between (``during``) and their restarts meanwhile (``restarts``).
+    the survivors' steps before it (``during``: those they trained without it) and their restarts meanwhile
+    (``restarts``).
 
     Raises:
         RuntimeError: the job failed (a group out of the launcher's restarts), finished before a fault, or did not
@@ -113,7 +114,8 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
             running = [g for g in pids if g != f["group"] and Path(f"/proc/{pids[g]}").exists()]
             if (healed is not None and healed[2] != f["pid"] and healed[1] > f["step"] and running
                     and healed[1] >= max(survivors, default=0) - 1):  # fmt: skip
-                f["back"], f["during"] = now - f["t"], max(survivors, default=f["step"]) - f["step"]
+                # it healed to the survivors' step and committed the next with them: theirs alone came before
+                f["back"], f["during"] = now - f["t"], max(0, healed[1] - 1 - f["step"])
                 f["restarts"] = sum(1 for g, _, _ in starts(text)[f["starts"] :] if g != f["group"])
 
     def together(since: int) -> int | None:
