@@ -1,9 +1,10 @@
 """``lit-ddp chaos``: does *your* run survive faults exactly? Trains it once uninterrupted and once under faults
 injected from outside, then compares the two final checkpoints bit for bit.
 
-    lit-ddp chaos [--launcher single|torchrun|slurm] [--nproc_per_node N] [--nnodes N] [--faults K]
+    lit-ddp chaos [--launcher single|torchrun|slurm|torchft] [--nproc_per_node N] [--nnodes N] [--faults K]
+                  [--replica_groups R] [--heartbeat_timeout_ms MS]
                   [--kinds kill term hang node save validation usr1] [--seed S] [--root DIR] [--reference DIR]
-                  [--rtol R | --calibrated K] -- <the arguments of lit-ddp fit>
+                  [--rtol R | --calibrated K] -- [fit] <the arguments of lit-ddp fit>
 
 - ``single``: ``lit-ddp fit ARGS`` in one process; after each fault the tool runs the same command again, as
   a user or a Slurm requeue would. ``torchrun``: ``torchrun --standalone --nproc_per_node N --max-restarts K``
@@ -15,8 +16,12 @@ injected from outside, then compares the two final checkpoints bit for bit.
   slurm/train.sbatch CONFIG ARGS`` (CONFIG: the first ``--config`` of ARGS) on the cluster ``sbatch`` reaches;
   a job that ends failed is submitted again, as an operator would. ``--sbatch slurm/train_elastic.sbatch``: one
   torchrun agent per node with P workers (``NPROC_PER_NODE``), which restarts them (``MAX_RESTARTS``).
+  ``torchft``: ``python -m lit_ddp.ft.launch --replica_groups R --root DIR --max_restarts K -- fit ARGS``, R
+  replica groups of one process that train on while one is lost, the launcher restarting it
+  (:mod:`lit_ddp.chaos.replica_groups`: its faults, its table, its comparison).
 - Fault kinds (each chosen kind once before any comes again): ``kill`` (SIGKILL of one worker, a crash),
-  ``term`` (SIGTERM of the job, a preemption or ``scancel``: the run saves at a step boundary and exits 143),
+  ``term`` (SIGTERM of the job, a preemption or ``scancel``: the run saves at a step boundary and exits 143; not
+  under torchft, which takes ``kill``, one group's worker, and ``node``, the whole group: today its one process),
   ``hang`` (SIGSTOP of one worker, torchrun only: the others fail at the collective timeout, which the tool
   sets to 20 s), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine; under
   Slurm of the job's tasks on one node, from an overlapping ``srun`` step),
@@ -43,7 +48,16 @@ injected from outside, then compares the two final checkpoints bit for bit.
   training loss over the logged steps and its final parameters (:mod:`lit_ddp.chaos.calibrated`); the report gives
   the spread and both distances at the first logged step after each resume.
 
-Exit status: 0 identical, 1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
+- ``--launcher torchft`` (R >= 2 groups; ``--heartbeat_timeout_ms``, the lighthouse's: what a lost group costs the
+  others): no resume, no redone steps; each fault hits a group other than ``group_0`` (the witness), ``delay x S /
+  2K`` steps after the groups last stepped together (S: the uninterrupted run's steps). The table gives per fault the
+  survivors' restarts (goal: none), their longest pause, their steps while the group was down and the seconds until
+  it was back at their step; then the groups' ``last.ckpt`` against each other bit for bit, and ``group_0`` against
+  two uninterrupted R-group runs by ``--calibrated`` (default 3; ``--rtol`` refused): its train loss judged, its
+  parameters reported (the shares a lost group did not train move them by more than the spread).
+
+Exit status: 0 identical (torchft: no survivor restarted, the groups identical, the loss within K x the spread),
+1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
 torchft's fault injector, the nearest library, checks convergence only, not a resume against a rerun.
 """
 
