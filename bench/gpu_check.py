@@ -181,8 +181,7 @@ def part_setup(ctx: Context, box: float) -> Row:
         smi = subprocess.run(query, capture_output=True, text=True, timeout=30)
         gpu = smi.stdout.strip().replace("\n", "; ") or smi.stderr.strip()
     missing = [m for m in WHEEL_MODULES if importlib.util.find_spec(m) is None]
-    notes = [gpu]
-    site = "/tmp/site"
+    notes, site = [gpu], "/tmp/site"
     wheels = sorted((REPO / ".whl").glob("*.whl"))
     if missing and wheels:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",

@@ -115,16 +115,12 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, beta2), fused=device.type == "cuda")
     model = torch.compile(raw_model) if compiled else raw_model
 
-    def ctx() -> torch.autocast:
-        return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     def evaluate(data: torch.Tensor) -> float:
-        with ctx():
+        with autocast:
             return estimate_loss(model, data, block_size, batch_size, eval_iters, device=device)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{raw_model.num_parameters() / 1e6:.2f}M parameters, {name}, {dtype}, compile {compiled}, "
@@ -151,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
             if it == args.max_iters or (reached is not None and args.stop_at_target):
                 break
             started, since = time.perf_counter(), it
-        with ctx():
+        with autocast:
             _, loss = model(x, y)
         x, y = get_batch(train, block_size, batch_size, device)  # the next batch, as nanoGPT prefetches it
         loss.backward()

@@ -31,19 +31,17 @@ class StepClock(Callback):
         self.every_rank = every_rank
         self.clock = ClockFile(Path(path) / f"rank{os.environ.get('RANK', '0')}.txt" if every_rank else path)
         self._tput: float | None = None
-        self._job = False
-
-    def _writes(self, trainer: Trainer) -> bool:
-        return self.every_rank or trainer.is_global_zero
+        self._job, self._writes = False, False
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._writes(trainer):
+        self._writes = self.every_rank or trainer.is_global_zero
+        if self._writes:
             self.clock.start()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
-        if not self._writes(trainer):
+        if not self._writes:
             return
         if not self._job:
             self._job = True
@@ -60,10 +58,10 @@ class StepClock(Callback):
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loss = trainer.callback_metrics.get("val/loss")
-        if self._writes(trainer) and not trainer.sanity_checking and loss is not None:
+        if self._writes and not trainer.sanity_checking and loss is not None:
             self.clock.write("val", trainer.global_step, float(loss))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._writes(trainer):
+        if self._writes:
             self.clock.write("end", trainer.global_step)
         self.clock.close()

@@ -109,10 +109,6 @@ def process_started_at(pid: int | str = "self") -> float:
     return next(float(line.split()[1]) for line in stat if line.startswith("btime")) + since_boot
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The process tree
-
-
 def become_subreaper() -> None:
     """Makes the processes orphaned below this one (torchrun and ``lit-ddp chaos`` start sessions of their own) its
     children, so that :func:`end_leftovers` finds them (Linux ``PR_SET_CHILD_SUBREAPER``)."""

@@ -1,10 +1,8 @@
-"""Timing in a shared machine's noise, peak FLOP/s, and the table a benchmark prints.
+"""Timing in a shared machine's noise, peak FLOP/s, a script's parser and JSON, and the table a benchmark prints.
 
-:func:`alternate` runs variants by turns, round after round, each round starting one variant later (A B, then B A),
-so that a neighbour's load falls on all alike; the caller takes the median (or the best) of each variant's list.
-Every script's parser comes from :func:`arguments`, its ``--json`` written by :func:`write_json`.
-:func:`peak_flops` is the figure MFU is reported against: a GPU's from the throughput callback's table (one source
-with the training job's MFU), a CPU's measured here (fp32 matmuls with the threads one process has).
+:func:`alternate` runs variants by turns, each round starting one variant later (A B, then B A), so that a neighbour's
+load falls on all alike. :func:`peak_flops` is the figure MFU is reported against: a GPU's from the throughput
+callback's table (one source with the training job's MFU), a CPU's measured here.
 """
 
 from __future__ import annotations

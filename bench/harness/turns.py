@@ -27,13 +27,6 @@ from bench.harness.launch import REPO, bench_env
 MIN_STEPS_PER_SLICE = 3  # a round whose turns counted fewer steps (start-up, the end) is left out
 
 
-def add_arguments(parser: Any, warmup: int, slice_s: float, timeout: float = 1200.0) -> None:
-    """``--warmup``, ``--slice_s`` and ``--timeout`` of :func:`run_in_turns` on a script's ``parser``."""
-    parser.add_argument("--warmup", type=int, default=warmup, help="first steps of each side left out")
-    parser.add_argument("--slice_s", type=float, default=slice_s, help="seconds each side runs before they swap")
-    parser.add_argument("--timeout", type=float, default=timeout, help="seconds before both sides are killed")
-
-
 def signal_group(proc: subprocess.Popen, sig: int) -> None:
     """Sends ``sig`` to ``proc``'s process group (the side's every rank); a group that is gone is ignored."""
     with contextlib.suppress(ProcessLookupError):
