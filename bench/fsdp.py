@@ -34,11 +34,8 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     """``{"params", "grads", "optimizer"}``: bytes this rank holds of each after a step."""
     params = list(model.parameters())
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return {
-        "params": sum(local_bytes(p) for p in params),
-        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(local_bytes(t) for t in state),
-    }
+    held = {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": state}
+    return {name: sum(map(local_bytes, tensors)) for name, tensors in held.items()}
 
 
 class CollectiveCounter:
@@ -48,8 +45,7 @@ class CollectiveCounter:
     NAMES = ("all_gather_single", "reduce_scatter_single")
 
     def __init__(self) -> None:
-        self.calls = {name: 0 for name in self.NAMES}
-        self.bytes = {name: 0 for name in self.NAMES}
+        self.calls, self.bytes = dict.fromkeys(self.NAMES, 0), dict.fromkeys(self.NAMES, 0)
 
     def __enter__(self) -> CollectiveCounter:
         self.saved = {name: getattr(dist, name) for name in self.NAMES}

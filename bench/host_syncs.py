@@ -78,9 +78,7 @@ class HostSyncs(AtenOps):
                 self._device_tensors[id(tensor)] = weakref.ref(tensor, forget)
 
     def on_device(self, tensor: Any) -> bool:
-        if not isinstance(tensor, torch.Tensor):
-            return False
-        ref = self._device_tensors.get(id(tensor))
+        ref = self._device_tensors.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
         return ref is not None and ref() is tensor
 
     def count(self, what: str) -> None:
@@ -156,8 +154,7 @@ def _has_mask(args: Any) -> bool:
 
 
 def _from_lightnings_batch_transfer() -> bool:
-    frame = sys._getframe(2)
-    return frame.f_globals.get("__name__") == "lightning.fabric.utilities.apply_func"
+    return sys._getframe(2).f_globals.get("__name__") == "lightning.fabric.utilities.apply_func"
 
 
 def _caller() -> str:
@@ -198,9 +195,7 @@ class StepSyncs(Callback):
     """
 
     def __init__(self, from_step: int = 1, out: str | None = None, launch_steps: int = 0) -> None:
-        self.from_step = from_step
-        self.out = out
-        self.launch_steps = launch_steps
+        self.from_step, self.out, self.launch_steps = from_step, out, launch_steps
         self.steps: dict[int, Step] = {}
         self.validation: dict[int, int] = {}  # global step -> syncs of the validation after it
         self.launches: dict[str, Any] = {}  # {"steps": [...], "per_step": kernel launches per step}
@@ -255,7 +250,6 @@ class StepSyncs(Callback):
             # Every logging step syncs (the throughput clock, the logged values): one that shows none means the
             # counting stopped (on CUDA: another warnings.catch_warnings took the warnings over).
             "counting_alive": all(s.syncs > 0 for s in others if s.logs),
-            "quiet_steps": len(quiet),
             "quiet_step_syncs": [s.syncs for s in quiet],
             "quiet_syncs_max": max((s.syncs for s in quiet), default=None),
             "other_step_syncs": {s.step: s.syncs for s in others},

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from bench.harness.launch import process_started_at
+
 FIELDS = {"start": 3, "job": 5, "step": 3, "val": 3, "tput": 4, "end": 2}  # after the kind, the time included
 Events = dict[str, list[tuple[float, ...]]]
 
@@ -38,8 +40,6 @@ class ClockFile:
         self._file.write(" ".join(map(str, (kind, time.time(), *fields))) + "\n")
 
     def start(self) -> None:
-        from bench.harness.launch import process_started_at
-
         self.write("start", os.getpid(), process_started_at())
 
     def close(self) -> None:
@@ -78,12 +78,7 @@ def job_figures(job: tuple[float, ...], step_s: float, peak: float | None = None
     """Tokens/s (all processes) and, with ``peak`` (one process's FLOP/s), MFU of a step of ``step_s`` seconds, from
     the fields of a ``job`` line."""
     tokens, procs, threads, flops_per_token = job
-    out = {
-        "procs": int(procs),
-        "threads_per_proc": int(threads),
-        "mean_step_s": step_s,
-        "tokens_per_s": tokens / step_s,
-    }
+    out = dict(procs=int(procs), threads_per_proc=int(threads), mean_step_s=step_s, tokens_per_s=tokens / step_s)
     if peak:
         out.update(peak_flops_per_proc=peak, mfu=flops_per_token * out["tokens_per_s"] / procs / peak)
     return out

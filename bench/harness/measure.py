@@ -30,12 +30,11 @@ def alternate(variants: dict[str, Callable[[], T]], rounds: int) -> dict[str, li
 
 def seconds(fn: Callable[[], Any], sync: Callable[[], Any] | None = None) -> float:
     """Wall seconds of ``fn()``, ``sync()`` (a device's) before and after."""
-    if sync:
-        sync()
+    sync = sync or (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
-    if sync:
-        sync()
+    sync()
     return time.perf_counter() - t0
 
 

@@ -65,8 +65,7 @@ def recipe_model(*configs: str, device: str = "cpu") -> tuple[Any, torch.optim.O
     settings = yaml_settings(*(configs or (GPU_YAML,)))
     torch.manual_seed(0)
     module = GPTModule(**{**settings["model"], "compile": False}, block_size=settings["data"]["block_size"],
-                       vocab=build_vocab(VOCAB))  # fmt: skip
-    module = module.to(device).train()
+                       vocab=build_vocab(VOCAB)).to(device).train()  # fmt: skip
     hp = module.hparams
     rates = ("learning_rate", "weight_decay", "muon_learning_rate", "muon_momentum", "muon_weight_decay")
     return module, build_optimizer(module.model, hp["optimizer"], betas=hp["betas"], **{k: hp[k] for k in rates})
