@@ -1,8 +1,8 @@
 """The main job's speed in one table (``make bench-speed``, about 15 minutes; docs/speed.md, "The speed table"), each
 figure a ratio of two runs side by side: time from launch to val/loss ``--target`` of :mod:`bench.nanogpt_reference`
-against ``make train``; in turns (:mod:`bench.harness.turns`), the step time of
-``lit-ddp fit`` against :mod:`bench.plain_ddp` (2 gloo processes, validation and sampling off), and DDP scaling
-(:mod:`bench.plain_ddp`'s two modes); MFU against the fp32 matmul peak.
+against ``make train``; in turns (:mod:`bench.harness.turns`), the step time of ``lit-ddp fit`` against
+:mod:`bench.plain_ddp` (2 gloo processes, validation and sampling off), and DDP scaling (:mod:`bench.plain_ddp`'s two
+modes); MFU against the fp32 matmul peak.
 """
 
 from __future__ import annotations
