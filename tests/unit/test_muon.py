@@ -4,7 +4,6 @@ optimizer step of ``configs/mingpt/gpu.yaml``'s model dispatches (829 with the r
 
 from __future__ import annotations
 
-import collections
 import copy
 from collections.abc import Iterator
 from typing import Any
@@ -12,15 +11,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import yaml
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.harness.ops import AtenOps, recipe_model
 from lit_ddp.callbacks.batched_step import batch_optimizer_step
 from lit_ddp.compat import BatchedMuon
-from lit_ddp.data.char import build_vocab
 from lit_ddp.recipe import OptimizerChain, build_optimizer
 from lit_ddp.tasks.mingpt import GPTModule
-from tests.helpers import CONFIGS, TEST_DATA
+from tests.helpers import TEST_DATA
 
 # Tall, wide and square; several of a shape and one alone; a (32, 96) and a (96, 32) share a stack.
 SHAPES = [(96, 32), (32, 96), (32, 32), (32, 32), (128, 32), (32, 128), (64, 32), (48, 48)]
@@ -199,29 +196,12 @@ def test_dtensors_step_as_torchs_muon_steps_them(one_process_group: None, seed: 
         assert torch.equal(a.full_tensor(), b.full_tensor())
 
 
-class AtenOps(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it, by name (an eager op is about one kernel launch on a GPU; views
-    and profiler marks count too)."""
+class OpsByName(AtenOps):
+    """The harness's aten-op counter (bench/harness/ops.py), each op counted under its name."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def gpu_job_model() -> torch.nn.Module:
-    """The GPT of configs/mingpt/gpu.yaml (its model arguments; not compiled), over Tiny Shakespeare's 65
-    characters."""
-    config = yaml.safe_load((CONFIGS / "mingpt" / "gpu.yaml").read_text())
-    args = {**config["model"]["init_args"], "compile": False, "betas": tuple(config["model"]["init_args"]["betas"])}
-    vocab = build_vocab("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-    torch.manual_seed(0)
-    module = GPTModule(**args, block_size=config["data"]["init_args"]["block_size"], vocab=vocab)
-    assert module.model is not None
-    return module.model
+    def counts(self, name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+        self.phase = name
+        return True
 
 
 @pytest.mark.parametrize("batched", [True, False])
@@ -229,14 +209,14 @@ def test_the_gpu_jobs_optimizer_step_dispatches_at_most_100_aten_ops(batched: bo
     """gpu.yaml's optimizer as it steps on a GPU (its BatchedOptimizerStep callback; AdamW fused, as on CUDA),
     counted on this CPU over its second step: at most 100 aten ops. The recipe's own (torch's Muon, a loop of small
     kernels per matrix, and a CPU's AdamW, one parameter at a time): 829."""
-    model = gpu_job_model()
-    optimizer = build_optimizer(model, "muon", muon_learning_rate=2e-2)
+    module, optimizer = recipe_model()  # gpu.yaml's model and its recipe's optimizer
+    model = module.model
     if batched:
         batch_optimizer_step(optimizer, adamw_fused=True)
     gen = torch.Generator().manual_seed(0)
     set_grads(list(model.parameters()), gen)
     optimizer.step()  # the first step makes the state and the stacks
-    with AtenOps() as count:
+    with OpsByName() as count:
         optimizer.step()
     total = sum(count.ops.values())
     name = "BatchedMuon + fused AdamW" if batched else "torch.optim.Muon + AdamW (a CPU's loop)"
