@@ -68,20 +68,18 @@ def state_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 def verdict(
-    first: Path, second: Path, faulted: Path, k: float, resumed: list[int], torchft: bool = False
+    first: Path, second: Path, faulted: Path, k: float, resumed: list[int], common: bool = False
 ) -> tuple[str | None, list[str]]:
     """``(what lies outside K x the spread, or None; the report's lines)``; ``resumed``: the steps the faulted run
-    resumed from (the report gives both distances at the first logged step after each). ``torchft``: runs of a
-    replica group, judged at the steps all three logged (a group that joins late heals to its peer's step and logs
-    from there) and by the loss only, the parameters reported: the shares a lost group did not train move them off
-    the uninterrupted runs' by more than those lie apart (measured: 3.8 x their spread at the first logged step
-    after a 44-step outage, 1.2 x at the end), and whether the run trained as well is the loss's to say."""
+    resumed from (the report gives both distances at the first logged step after each); ``common``: judged at the
+    steps all three runs logged, not at every step of the first (a torchft group that joins late heals to its
+    peer's step and logs from there)."""
     a, b, f = loss_curve(first), loss_curve(second), loss_curve(faulted)
-    steps = sorted(set(a) & set(b) & set(f) if torchft else a)
+    steps = sorted(set(a) & set(b) & set(f) if common else a)
     if missing := [s for s in steps if s not in b or s not in f]:
         return f"tensorboard/train loss: no point at step {missing[0]} in one of the runs", []
     sa, sb, sf = sketches(first), sketches(second), sketches(faulted)
-    if torchft:
+    if common:
         sa = {s: v for s, v in sa.items() if s in sb and s in sf}
     if not sa:
         return f"{first / SKETCH_DIR}: no parameter samples (a run of an older lit-ddp chaos: run it again)", []
@@ -113,9 +111,7 @@ def verdict(
             if (sampled := next((s for s in apart if s > r), None)) is not None:
                 line += f"; at step {sampled} the parameters {apart[sampled][1]:.3g} (theirs {apart[sampled][0]:.3g})"
             lines.append(line)
-    if torchft:
-        lines.append("parameters not judged (torchft: the shares the lost group did not train move them)")
-    if not torchft and (over := next((s for s in apart if apart[s][1] > k * apart[s][0]), None)):
+    if over := next((s for s in apart if apart[s][1] > k * apart[s][0]), None):
         after = next((r for r in reversed(resumed) if r < over), None)
         where = f", the first logged step after the resume from step {after}" if after is not None else ""
         return (
@@ -125,7 +121,7 @@ def verdict(
         )
     if distance > limit:
         return f"tensorboard/train loss: {distance:.3g} from the first run, over {k:g} x the spread {spread:.3g}", lines
-    if not torchft and param_distance > k * param_spread:
+    if param_distance > k * param_spread:
         return (
             f"{layout.LAST}'s parameters: {param_distance:.3g} from the first run, over {k:g} x the spread "
             f"{param_spread:.3g}",

@@ -53,10 +53,12 @@ injected from outside, then compares the two final checkpoints bit for bit.
   2K`` steps after the groups last stepped together (S: the uninterrupted run's steps). The table gives per fault the
   survivors' restarts (goal: none), their longest pause, their steps while the group was down and the seconds until
   it was back at their step; then the groups' ``last.ckpt`` against each other bit for bit, and ``group_0`` against
-  two uninterrupted R-group runs by ``--calibrated`` (default 3; ``--rtol`` refused): its train loss judged, its
-  parameters reported (the shares a lost group did not train move them by more than the spread).
+  two uninterrupted R-group runs, the second with the next seed (``--seed_everything``), by ``--calibrated``
+  (default 3; ``--rtol`` refused) at the steps all three logged. Two runs of one seed differ only by the steps
+  before the later group joined (often none), far less than the shares a lost group did not train: the yardstick
+  is a rerun with another seed.
 
-Exit status: 0 identical (torchft: no survivor restarted, the groups identical, the loss within K x the spread),
+Exit status: 0 identical (torchft: no survivor restarted, the groups identical, within K x the spread),
 1 different or the faulted job failed, 2 bad use (one ``lit-ddp: error:`` line).
 torchft's fault injector, the nearest library, checks convergence only, not a resume against a rerun.
 """
@@ -427,7 +429,12 @@ def torchft_main(
     if not Path(layout.last_checkpoint(str(reference / witness))).exists():
         print(f"lit-ddp: error: {reference / witness} holds no {layout.CHECKPOINTS}/{layout.LAST}", file=sys.stderr)
         return UsageError.exit_code
-    second = Job(args, fit, args.root / "reference2", faulted=False)
+    # the yardstick: a rerun with another seed. Two runs of the same seed differ only by the steps before the later
+    # group joined (often none), far less than the shares a lost group does not train.
+    seed = config_of(reference / witness).get("seed_everything")
+    other = (seed if type(seed) is int else 0) + 1
+    seeds = f"{seed} and {other}"
+    second = Job(args, [*fit, "--seed_everything", str(other)], args.root / "reference2", faulted=False)
     if run_reference(second, args.timeout) is None:
         print(f"lit-ddp chaos: the second uninterrupted run failed; its output: {second.log}", file=sys.stderr)
         return 1
@@ -458,11 +465,11 @@ def torchft_main(
         args.root / "faulted" / witness,
         args.calibrated,
         [],
-        torchft=True,
+        common=True,
     )
     print("\n".join(lines))
     if failure is None:
-        print(f"{witness}: train loss within {args.calibrated:g} x the spread of two uninterrupted runs")
+        print(f"{witness}: within {args.calibrated:g} x the spread of two uninterrupted runs (seeds {seeds})")
     else:
         failures.append(f"{witness}: {failure}")
     for line in failures:
@@ -481,11 +488,16 @@ def calibrated_report(args: Namespace, reference: Path, resumed: list[int]) -> i
     return 1
 
 
-def deterministic(run: Path) -> bool:
-    """Whether the run at ``run`` trained with ``trainer.deterministic: true`` (its ``config.yaml``, which
-    LightningCLI writes); False where that file is missing or unreadable."""
+def config_of(run: Path) -> dict:
+    """The run's ``config.yaml`` (LightningCLI writes it into the run directory); empty where it is missing or
+    unreadable."""
     try:
-        config = yaml.safe_load((run / "config.yaml").read_text()) or {}
+        return yaml.safe_load((run / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
-        return False
-    return (config.get("trainer") or {}).get("deterministic") is True
+        return {}
+
+
+def deterministic(run: Path) -> bool:
+    """Whether the run at ``run`` trained with ``trainer.deterministic: true`` (its ``config.yaml``); False where
+    that file is missing or unreadable."""
+    return (config_of(run).get("trainer") or {}).get("deterministic") is True

@@ -26,7 +26,9 @@ def fault_rows(stdout: str) -> list[list[str]]:
 
 @pytest.mark.timeout(200)
 def test_chaos_kills_a_replica_group_and_the_other_goes_on(tmp_path: Path, runner: Runner, seed: int) -> None:
-    """Three runs of 400 steps (two uninterrupted, one faulted), each step slowed by 20 ms so that the killed group's
+    """The report's facts: no survivor restart, the survivor's steps while group_1 was down, group_1 back, the
+    groups bit-identical, the calibrated verdict (within 3 x the spread of a rerun with another seed).
+    Three runs of 400 steps (two uninterrupted, one faulted), each step slowed by 20 ms so that the killed group's
     restart (its imports, seconds on this VM) comes while the survivor still trains; the lighthouse's heartbeat
     timeout 2 s, so that the survivor goes on alone before the group is back."""
     slow = write_callbacks_config(
@@ -50,5 +52,5 @@ def test_chaos_kills_a_replica_group_and_the_other_goes_on(tmp_path: Path, runne
     assert restarts == "0", result.stdout  # the survivor kept its process
     assert back != "-" and int(during) > 0, result.stdout + log  # it stepped on alone; the group came back
     assert "groups: group_0, group_1 end identical, bit for bit" in result.stdout, result.stdout + log
-    assert "group_0: train loss within 3 x the spread of two uninterrupted runs" in result.stdout, result.stdout
+    assert "group_0: within 3 x the spread of two uninterrupted runs (seeds " in result.stdout
     assert result.returncode == 0, result.stdout + log
