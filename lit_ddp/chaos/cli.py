@@ -452,6 +452,12 @@ def torchft_main(
     if took:
         print(f"the faults cost {seconds - took[0]:.1f} s ({seconds:.1f} s against {took[0]:.1f} s uninterrupted)")
     failures = []
+    for number, f in enumerate(faults, 1):
+        if f["back"] is None:
+            failures.append(
+                f"fault {number}: {f['group']} was not back before the others finished (it then trained alone from "
+                "its own checkpoint): give the run more steps"
+            )
     if restarted := sum(f["restarts"] for f in faults):
         failures.append(f"the survivors restarted {restarted} times (their pids changed)")
     dirs = group_dirs(job.output())
