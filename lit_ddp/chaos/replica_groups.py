@@ -83,13 +83,14 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
     deadline = start + timeout
     job.start()
     faults: list[dict] = []
-    seen = {"at": 0.0, "text": ""}
+    read_at, seen = 0.0, ""
 
     def output() -> str:
         """The launcher's output, read again at most every 0.2 s (the tool shares the job's CPUs)."""
-        if time.monotonic() - seen["at"] > 0.2:
-            seen["at"], seen["text"] = time.monotonic(), job.output()
-        return seen["text"]
+        nonlocal read_at, seen
+        if time.monotonic() - read_at > 0.2:
+            read_at, seen = time.monotonic(), job.output()
+        return seen
 
     def step_of(group_dir: Path, pid: int | None = None) -> int | None:
         now = job.progress(group_dir)
