@@ -7,8 +7,9 @@ starts the lighthouse (bound to loopback unless ``--bind`` says otherwise), prin
 group as a ``lit-ddp`` process of its own (``$TORCHFT_LIGHTHOUSE``, ``$REPLICA_GROUP_ID=group_<i>``,
 ``$TORCHFT_REPLICA_GROUPS=R``: group ``i`` trains share ``i`` of each global batch; run directory
 ``<root>/group_<i>``), printing its process id at every start. A group whose process fails is started again (at
-most ``--max_restarts`` times each) and rejoins the quorum from a live peer; the others go on meanwhile. Ends when
-every group has ended: status 0 when all finished, else the first failure's.
+most ``--max_restarts`` times each; not one that exited with 2, a bad command or config) and rejoins the quorum
+from a live peer; the others go on meanwhile. Ends when every group has ended: status 0 when all finished, else the
+first failure's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from lit_ddp.errors import UsageError
 from lit_ddp.ft.strategy import LIGHTHOUSE_ENV, REPLICA_ENV, REPLICA_GROUPS_ENV, require_torchft
 
 
@@ -112,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 del procs[group]
                 if code == 0:
                     print(f"lit_ddp.ft.launch: group_{group} finished", flush=True)
+                elif code == UsageError.exit_code:  # a bad command or config: every start would fail the same way
+                    print(f"lit_ddp.ft.launch: group_{group} exited with {code} (bad use): not restarted", flush=True)
+                    status = status or code
                 elif restarts[group] < args.max_restarts:
                     restarts[group] += 1
                     print(f"lit_ddp.ft.launch: group_{group} exited with {code}: restart {restarts[group]}", flush=True)

@@ -156,3 +156,17 @@ def test_a_killed_group_stops_no_one_and_heals_from_its_peer(tmp_path: Path) -> 
         f"discarded steps read again: group_0 {discarded[0]}, group_1 {discarded[1]}; samples trained per epoch "
         f"{[len(per_epoch[e]) for e in sorted(per_epoch)]}, none twice"
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_group_refusing_its_config_is_not_restarted(tmp_path: Path) -> None:
+    """A bad option makes every group exit with 2 (one line each); the launcher restarts none of them (each start
+    would fail alike) and ends with 2."""
+    cmd = [
+        sys.executable, "-m", "lit_ddp.ft.launch", "--replica_groups", "2", "--root", str(tmp_path / "runs"), "--",
+        "fit", *compose("trainer/torchft", "regression/single_device"), "--trainer.max_steps", "many",
+    ]  # fmt: skip
+    done = wait(start(cmd, env=subprocess_env(OMP_NUM_THREADS="1", RUST_LOG="warn")), timeout=100)
+    assert done.returncode == 2, done.stdout[-3000:]
+    assert done.stdout.count("(bad use): not restarted") == 2, done.stdout[-3000:]
+    assert "restart 1" not in done.stdout
