@@ -11,6 +11,13 @@ the train loader's ``GlobalOrderSampler`` is made reader ``i`` of ``R``). Lightn
 passes the closure; torchft's ``OptimizerWrapper`` takes none: the strategy runs the closure itself and hands the
 optimizer a closure that returns its loss.
 
+Every group lost: each resumes from its own run directory's newest checkpoint (the usual automatic resume). torchft's
+manager counts the committed steps too (``Manager.current_step``), and a quorum heals every group from one whose count
+is the highest: a resumed group's manager starts at the restored ``global_step`` (its committed batches from the
+checkpoint, key ``"torchft"``), and the group's first step waits for a quorum of every group (at most
+``quorum_timeout``), so that a group whose checkpoint is older heals from the newest instead of training alone up to
+the newer group's step (two groups at one step with different states, which no quorum would heal).
+
 The timeouts (docs/fault_tolerance.md, "Per-step recovery with torchft"): a lost group costs the survivors about one
 heartbeat timeout of the lighthouse (``python -m lit_ddp.ft.launch --heartbeat_timeout_ms``), a frozen one at most
 ``timeout`` (the cross-group collectives, ``should_commit`` and the checkpoint transfer).
@@ -19,6 +26,7 @@ heartbeat timeout of the lighthouse (``python -m lit_ddp.ft.launch --heartbeat_t
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -39,6 +47,9 @@ EXTRA = 'torchft is not installed: pip install -e ".[torchft]" (the torchft extr
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ENV = "REPLICA_GROUP_ID"
 REPLICA_GROUPS_ENV = "TORCHFT_REPLICA_GROUPS"
+CHECKPOINT_KEY = "torchft"
+"""Where a checkpoint holds the manager's ``state_dict()`` (its committed steps and batches)."""
+QUORUM_RETRY_S = 0.2  # between a resumed group's quorums while it waits for every group
 
 
 def require_torchft() -> None:
@@ -63,7 +74,8 @@ class TorchFTStrategy(SingleDeviceStrategy):
         timeout: the cross-group all-reduce's, ``should_commit``'s and the live-state transfer's: what a frozen
             (not dead) peer can cost the others.
         quorum_timeout: how long a step waits for its quorum (more than a step takes, and more than the
-            lighthouse's join timeout).
+            lighthouse's join timeout); also how long a group resumed from disk waits for every group at its first
+            step.
         connect_timeout: to reach the lighthouse and a peer's manager.
         device: where the model trains (``cpu``, ``cuda:0``).
 
@@ -98,6 +110,8 @@ class TorchFTStrategy(SingleDeviceStrategy):
         self.batch_start = data.BatchStart()
         self.peer_state: PeerState | None = None
         self._store: Any = None
+        self._loaded_manager_state: dict[str, int] | None = None  # a resumed checkpoint's, until training starts
+        self._await_every_group = False  # resumed from disk: the first step waits for a quorum of every group
 
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
@@ -169,14 +183,35 @@ class TorchFTStrategy(SingleDeviceStrategy):
             data.share(dataloader, *self.share)
         return super().process_dataloader(dataloader)
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's, with the manager's committed steps and batches in the checkpoint (:data:`CHECKPOINT_KEY`)."""
+        if self.manager is not None:
+            checkpoint[CHECKPOINT_KEY] = self.manager.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's; the manager's state in it is kept for :meth:`on_train_start`."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._loaded_manager_state = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
     def on_train_start(self) -> None:
-        """Checks that every train loader shares the global batches, and marks where the first batch starts."""
+        """Checks that every train loader shares the global batches, marks where the first batch starts and, on a
+        resume from disk, sets the manager's committed steps to the restored ``global_step`` (and its committed
+        batches to the checkpoint's; none counted where a checkpoint was written without torchft), before the
+        first quorum compares the groups' steps."""
         super().on_train_start()
         if self.manager is not None:
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
             data.check_train_loaders(trainer)
             self.batch_start.mark(trainer)
+            saved, self._loaded_manager_state = self._loaded_manager_state, None
+            if trainer.ckpt_path is not None:
+                batches = (saved or {}).get("batches_committed", 0)
+                self.manager.load_state_dict({"step": trainer.global_step, "batches_committed": batches})
+                self._await_every_group = True
+                rank_zero_info(f"torchft: the manager resumes at step {trainer.global_step} ({trainer.ckpt_path})")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's, on the batch a heal in this step read (this group's share of its peer's batch, with its
@@ -202,6 +237,8 @@ class TorchFTStrategy(SingleDeviceStrategy):
         if self.manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         self.manager.start_quorum()  # heals here, where the quorum says so (PeerState.load_state_dict)
+        if self._await_every_group:
+            self._quorum_of_every_group()
         loss = closure()
         if not self.manager.should_commit():
             self.discarded_steps += 1
@@ -217,6 +254,17 @@ class TorchFTStrategy(SingleDeviceStrategy):
         assert self.lightning_module is not None
         self.batch_start.mark(self.lightning_module.trainer)  # the next batch starts here
         return stepped
+
+    def _quorum_of_every_group(self) -> None:
+        """Asks for the quorum again until every group is in it (a group resumed from disk, before its first step),
+        for at most ``quorum_timeout``; then the step goes on with the groups there."""
+        assert self.share is not None
+        groups, self._await_every_group = self.share[0], False
+        deadline = time.monotonic() + self.quorum_timeout.total_seconds()
+        while self.manager.num_participants() < groups and time.monotonic() < deadline:
+            time.sleep(QUORUM_RETRY_S)
+            self.manager.start_quorum()
+        rank_zero_info(f"torchft: first quorum after the resume: {self.manager.num_participants()} of {groups} groups")
 
     def teardown(self) -> None:
         if self.manager is not None:
