@@ -226,3 +226,41 @@ def test_a_healed_group_trains_its_share_of_its_peers_batch(
     assert [(s, epoch) for s, epoch, _ in module.trained] == [(s, s // STEPS_PER_EPOCH) for s in range(step, max_steps)]
     assert module.last == [s % STEPS_PER_EPOCH == STEPS_PER_EPOCH - 1 for s in range(step, max_steps)]
     assert trainer.current_epoch == max_steps // STEPS_PER_EPOCH  # the epochs ended where the peer's do
+
+
+class Participants:
+    """A manager whose quorums hold the given numbers of groups, one per ``start_quorum`` (the last repeated)."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts, self.calls = counts, 0
+
+    def start_quorum(self) -> None:
+        self.calls += 1
+
+    def num_participants(self) -> int:
+        return self.counts[min(self.calls, len(self.counts)) - 1]
+
+
+def test_a_group_resumed_from_disk_waits_for_every_group_then_for_no_longer_than_the_quorum_timeout() -> None:
+    """Before its first step a group resumed from disk asks for the quorum again until every group is in it (so an
+    older checkpoint heals from the newest rather than training alone), and goes on after ``quorum_timeout`` with
+    the groups there; it waits only once."""
+    import datetime
+    import time
+
+    strategy = TorchFTStrategy(replica_id="group_1", replica_groups=GROUPS)
+    strategy.share = (GROUPS, 1)
+    strategy.manager = Participants([1, 1, GROUPS])
+    strategy.manager.start_quorum()  # the step's own quorum, as optimizer_step asks it first
+    strategy._await_every_group = True
+    strategy._quorum_of_every_group()
+    assert strategy.manager.calls == 3 and not strategy._await_every_group
+
+    strategy.quorum_timeout = datetime.timedelta(seconds=0.6)
+    strategy.manager = Participants([1])
+    strategy.manager.start_quorum()
+    started = time.monotonic()
+    strategy._quorum_of_every_group()
+    waited = time.monotonic() - started
+    assert waited >= 0.6 and strategy.manager.calls >= 3  # it asked again for the whole timeout
+    assert waited < 10  # then went on: 0.6 s and one retry's 0.2 s, with room for a machine 3x slower and more
