@@ -98,7 +98,10 @@ def test_a_killed_group_stops_no_one_and_heals_from_its_peer(tmp_path: Path) -> 
     discarded step's batch (where there is one) is read again, and the healed group_1 trains its share of the
     survivors' batch from its first step back."""
     trace = tmp_path / "trace"
-    proc = launch(tmp_path, trace, 150, {"group_0": 0.05, "group_1": 0.1}, "--max_restarts", "1")
+    # A 1 s heartbeat timeout: the survivor gives group_1 up (and trains alone) well before its restart is back,
+    # seconds of imports; at torchft's 5 s default a quick restart rejoins first and the survivor only waits.
+    proc = launch(tmp_path, trace, 150, {"group_0": 0.05, "group_1": 0.1}, "--max_restarts", "1",
+                  "--heartbeat_timeout_ms", "1000")  # fmt: skip
     try:
         deadline = time.monotonic() + 90
         while not (len(steps(trace, "group_1")) >= 20 and len(steps(trace, "group_0")) >= 20):
