@@ -41,8 +41,13 @@ def workers(proc: subprocess.Popen, launcher: str) -> list[int]:
     processes (torchft: the children of ``python -m lit_ddp.ft.launch``)."""
     if launcher == "single":
         return [proc.pid] if proc.poll() is None else []
-    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split()]
+    return children(proc.pid)
+
+
+def children(pid: int) -> list[int]:
+    """The process ids of ``pid``'s children (``pgrep -P``)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(child) for child in out.split()]
 
 
 def rank_of(pid: int) -> int:

@@ -19,12 +19,11 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 from lit_ddp.chaos.compare import first_difference
-from lit_ddp.chaos.job import Fault, Job
+from lit_ddp.chaos.job import Fault, Job, children
 from lit_ddp.run_dir import layout, sharded
 
 # python -m lit_ddp.ft.launch prints this at every start of a group's process
@@ -48,8 +47,7 @@ def current_pids(output: str) -> dict[str, int]:
 
 
 def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [d for child in map(int, out.split()) for d in (child, *_descendants(child))]
+    return [d for child in children(pid) for d in (child, *_descendants(child))]
 
 
 def inject(fault: Fault, pid: int | None) -> int | None:
