@@ -3,6 +3,7 @@ README says, no site details. (They run against a real cluster in ``tests/system
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -35,3 +36,23 @@ def test_sbatch_scripts_as_the_issue_asks() -> None:
     assert "WORKERS=${LIT_DDP_LOADER_WORKERS:-$((CPUS > 1 ? CPUS - 1 : 0))}" in train
     for text in (train, elastic):  # site details belong on the sbatch command line
         assert not re.search(r"^#SBATCH +(--partition|-p |--account|-A )", text, re.M)
+
+
+def test_torchft_sbatch_script() -> None:
+    """slurm/train_torchft.sbatch: valid bash, usage and status 2 outside a job or without CONFIG, the torchft fragment
+    before CONFIG, one srun step per group pinned to its node, the lighthouse bound to the first node's address (not
+    every interface), no site details. (It runs on two Slurm nodes in tests/system/test_slurm_torchft.py.)"""
+    script = REPO / "slurm" / "train_torchft.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for args in ([], ["configs/regression/single_device.yaml"]):
+        done = subprocess.run(
+            ["bash", str(script), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 2 and done.stderr.startswith("usage: sbatch"), done.stderr
+    text = script.read_text()
+    assert re.search(r'srun --nodes 1 --ntasks 1 --relative "\$i"', text)
+    assert re.search(r'-m lit_ddp fit .*--config "\$FRAGMENT" --config "\$CONFIG"', text)
+    assert "FRAGMENT=configs/trainer/torchft.yaml" in text
+    assert 'LighthouseServer(bind=f"{addr}:{port}"' in text and "addr = socket.gethostbyname(head)" in text
+    assert not re.search(r"^#SBATCH +(--partition|-p |--account|-A )", text, re.M)
