@@ -271,9 +271,10 @@ class ForgetLoaderPosition(Callback):
 
 
 class StepTrace(Callback):
-    """Appends ``<unix time> <pid> <global_step>`` to ``<directory>/<$REPLICA_GROUP_ID>.txt`` after every training
-    batch (a torchft replica group's steps, across its restarts), after sleeping ``sleep[group]`` seconds before it
-    (steps slow enough to kill a group mid-training; a slower group makes the other wait in the all-reduce).
+    """Appends ``<unix time> <pid> <global_step>`` to ``<directory>/<$REPLICA_GROUP_ID>.txt`` (rank ``r`` > 0 of a
+    group of several processes: ``<$REPLICA_GROUP_ID>.rank<r>.txt``) after every training batch (a torchft replica
+    group's steps, across its restarts), after sleeping ``sleep[group]`` seconds before it (steps slow enough to kill
+    a group mid-training; a slower group makes the other wait in the all-reduce).
 
     With ``indices`` (a regression fit), each line goes on with ``<step>:<epoch>:<i,j,...>``: the global step and
     epoch the batch was trained at and the train set's indices of its samples (its inputs found in the train set),
@@ -281,7 +282,8 @@ class StepTrace(Callback):
 
     def __init__(self, directory: str, sleep: dict[str, float] | None = None, indices: bool = False) -> None:
         self.group = os.environ.get("REPLICA_GROUP_ID", "group_0")
-        self.path = Path(directory, f"{self.group}.txt")
+        rank = int(os.environ.get("RANK", "0"))  # a group of several processes (torchrun): one file per rank
+        self.path = Path(directory, f"{self.group}.txt" if rank == 0 else f"{self.group}.rank{rank}.txt")
         self.sleep = (sleep or {}).get(self.group, 0.0)
         self.indices = indices
         self.trained = ""

@@ -4,12 +4,13 @@
         fit --config configs/trainer/torchft.yaml --config configs/regression/single_device.yaml
 
 starts the lighthouse (bound to loopback unless ``--bind`` says otherwise), prints its address, then starts each
-group as a ``lit-ddp`` process of its own (``$TORCHFT_LIGHTHOUSE``, ``$REPLICA_GROUP_ID=group_<i>``,
-``$TORCHFT_REPLICA_GROUPS=R``: group ``i`` trains share ``i`` of each global batch; run directory
-``<root>/group_<i>``), printing its process id at every start. A group whose process fails is started again (at
-most ``--max_restarts`` times each; not one that exited with 2, a bad command or config) and rejoins the quorum
-from a live peer; the others go on meanwhile. Ends when every group has ended: status 0 when all finished, else the
-first failure's.
+group (``$TORCHFT_LIGHTHOUSE``, ``$REPLICA_GROUP_ID=group_<i>``, ``$TORCHFT_REPLICA_GROUPS=R``: group ``i`` trains
+share ``i`` of each global batch; run directory ``<root>/group_<i>``), printing its process id at every start: a
+``lit-ddp`` process of its own, or with ``--nproc_per_group W`` a torchrun job of W processes (``--standalone``,
+``--trainer.devices W``). A group that fails is started again (at most ``--max_restarts`` times each; not one that
+exited with 2, a bad command or config) and rejoins the quorum from a live peer, the others going on meanwhile;
+under torchrun, torchrun restarts the group's processes itself (``--max_restarts`` times). Ends when every group
+has ended: status 0 when all finished, else the first failure's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     own, command = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(prog="python -m lit_ddp.ft.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--replica_groups", type=int, default=2, help="R: how many replica groups (processes)")
+    parser.add_argument(
+        "--nproc_per_group", type=int, default=1, help="W: processes per group (W > 1: each group a torchrun job)"
+    )
     parser.add_argument("--root", default="runs/torchft", help="each group's run directory is ROOT/group_<i>")
     parser.add_argument(
         "--bind",
@@ -54,8 +58,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )
     parser.add_argument("--max_restarts", type=int, default=3, help="restarts of each group's process")
     args = parser.parse_args(own)
-    if args.replica_groups < 1 or not command:
-        parser.error("give --replica_groups >= 1 and, after --, the lit-ddp command (fit --config ...)")
+    if args.replica_groups < 1 or args.nproc_per_group < 1 or not command:
+        parser.error(
+            "give --replica_groups >= 1, --nproc_per_group >= 1 and, after --, the lit-ddp command (fit --config ...)"
+        )
     return args, command
 
 
@@ -90,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, **group_env)
         run_dir = Path(args.root, f"group_{group}")
         cmd = [sys.executable, "-m", "lit_ddp", *command, "--trainer.default_root_dir", str(run_dir)]
+        if args.nproc_per_group > 1:
+            torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc_per_group)]
+            cmd[1:3] = [*torchrun, "--max_restarts", str(args.max_restarts), "-m", "lit_ddp"]
+            cmd += ["--trainer.devices", str(args.nproc_per_group)]
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a restart's rendezvous (pytorch/pytorch#135712)
         proc = subprocess.Popen(cmd, env=env)
         print(f"lit_ddp.ft.launch: group_{group} pid {proc.pid} run directory {run_dir}", flush=True)
         return proc

@@ -1,13 +1,19 @@
 """The Lightning strategy of one torchft replica group: :class:`TorchFTStrategy` (``configs/trainer/torchft.yaml``).
 
+A group is one process, or W processes that train as DDP does (one torchrun job per group: ``python -m
+lit_ddp.ft.launch --nproc_per_group W``). Each gradient is averaged over the group's processes, then across the
+quorum's groups, rank ``r`` of each group with rank ``r`` of the others (torchft's manager, one per process); rank
+``r`` of a healing group takes the state of rank ``r`` of a live peer.
+
 At each optimizer step it (1) asks torchft's manager for the step's quorum, healing from a live peer where the
 quorum says so (:class:`lit_ddp.ft.heal.PeerState`, before the forward); (2) runs Lightning's closure (forward,
 ``zero_grad``, backward), whose backward averages the gradients across the quorum's groups in torchft's DDP hook
 (:func:`lit_ddp.compat.fault_tolerant_ddp`); (3) steps the optimizer only where ``should_commit()`` says the whole
 quorum's all-reduce succeeded. A discarded step is not counted: ``trainer.global_step`` and the logger's step stay
 where they were, so that ``global_step`` is torchft's committed step count, and its batch is read again at the next
-step. Group ``i`` of ``R`` trains share ``i`` of each global batch of the one global order (:mod:`lit_ddp.ft.data`:
-the train loader's ``GlobalOrderSampler`` is made reader ``i`` of ``R``). Lightning's automatic optimization
+step. Group ``i`` of ``R`` trains share ``i`` of each global batch of the one global order, rank ``r`` of its W
+processes the ``r``-th part of that share (:mod:`lit_ddp.ft.data`: the train loader's ``GlobalOrderSampler`` is made
+reader ``i x W + r`` of ``R x W``). Lightning's automatic optimization
 passes the closure; torchft's ``OptimizerWrapper`` takes none: the strategy runs the closure itself and hands the
 optimizer a closure that returns its loss.
 
@@ -26,15 +32,17 @@ heartbeat timeout of the lighthouse (``python -m lit_ddp.ft.launch --heartbeat_t
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 from torch.optim import Optimizer
 
 from lit_ddp import compat
@@ -42,6 +50,7 @@ from lit_ddp.errors import UsageError
 from lit_ddp.ft import data
 from lit_ddp.ft.heal import PeerState
 from lit_ddp.launch import loopback
+from lit_ddp.strategies import DDPStrategy
 
 EXTRA = 'torchft is not installed: pip install -e ".[torchft]" (the torchft extra)'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -60,9 +69,24 @@ def require_torchft() -> None:
         raise UsageError(f"configs/trainer/torchft.yaml: {EXTRA}") from None
 
 
-class TorchFTStrategy(SingleDeviceStrategy):
-    """One torchft replica group of one process: the model on one device, its gradients averaged with the other
-    groups' through torchft's ``Manager`` (gloo), a step committed only where the quorum says so.
+def group_then_quorum(state: tuple[Any, int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook of a group of several processes: the gradient bucket averaged over the group's
+    ``world_size`` processes (the default process group), then across the quorum's groups through torchft's
+    ``manager`` (:func:`lit_ddp.compat.comm_hook`). ``state``: ``(manager, world_size)``."""
+    manager, world_size = state
+    dist.all_reduce(bucket.buffer().div_(world_size))
+    return compat.comm_hook(manager, bucket)
+
+
+# torch checks a hook's annotations as objects, not as the strings `from __future__ import annotations` leaves.
+group_then_quorum.__annotations__["bucket"] = dist.GradBucket
+group_then_quorum.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+class TorchFTStrategy(DDPStrategy):
+    """One torchft replica group: one process, or W processes trained as DDP (``trainer.devices`` W, launched by
+    torchrun), whose gradients are averaged with the other groups' through torchft's ``Manager`` (gloo), a step
+    committed only where the quorum says so.
 
     Args:
         lighthouse: the lighthouse's address (``http://127.0.0.1:29510``); None: ``$TORCHFT_LIGHTHOUSE``, as
@@ -72,18 +96,17 @@ class TorchFTStrategy(SingleDeviceStrategy):
             ``$TORCHFT_REPLICA_GROUPS`` (``python -m lit_ddp.ft.launch`` sets it), else 1.
         min_replicas: the fewest groups a step commits with.
         timeout: the cross-group all-reduce's, ``should_commit``'s and the live-state transfer's: what a frozen
-            (not dead) peer can cost the others.
+            (not dead) peer can cost the others; also the group's own process group's (W > 1).
         quorum_timeout: how long a step waits for its quorum (more than a step takes, and more than the
             lighthouse's join timeout); also how long a group resumed from disk waits for every group at its first
             step.
         connect_timeout: to reach the lighthouse and a peer's manager.
-        device: where the model trains (``cpu``, ``cuda:0``).
 
     Raises:
         UsageError: torchft is not installed.
-        ValueError: at set-up, more than one process per group, manual optimization, or gradient accumulation
-            (not in this first slice), or a replica id that is not ``group_<i>`` with ``i`` below the number of
-            groups; at the start of training, a train loader without a ``GlobalOrderSampler``.
+        ValueError: at set-up, a group over several nodes (``trainer.num_nodes`` > 1), manual optimization, or
+            gradient accumulation, or a replica id that is not ``group_<i>`` with ``i`` below the number of groups;
+            at the start of training, a train loader without a ``GlobalOrderSampler``.
     """
 
     def __init__(
@@ -95,10 +118,9 @@ class TorchFTStrategy(SingleDeviceStrategy):
         timeout: timedelta = timedelta(seconds=30),
         quorum_timeout: timedelta = timedelta(seconds=60),
         connect_timeout: timedelta = timedelta(seconds=10),
-        device: str = "cpu",
     ) -> None:
         require_torchft()
-        super().__init__(device=device)
+        super().__init__(timeout=timeout)
         self.lighthouse = lighthouse
         self.replica_id = replica_id
         self.replica_groups = replica_groups
@@ -106,7 +128,8 @@ class TorchFTStrategy(SingleDeviceStrategy):
         self.timeout, self.quorum_timeout, self.connect_timeout = timeout, quorum_timeout, connect_timeout
         self.manager: Any = None
         self.discarded_steps = 0
-        self.share: tuple[int, int] | None = None  # (groups, this group's index) in a fit
+        self.groups = 1
+        self.share: tuple[int, int] | None = None  # (readers, this process's reader) of the global order, in a fit
         self.batch_start = data.BatchStart()
         self.peer_state: PeerState | None = None
         self._store: Any = None
@@ -114,9 +137,11 @@ class TorchFTStrategy(SingleDeviceStrategy):
         self._await_every_group = False  # resumed from disk: the first step waits for a quorum of every group
 
     def setup(self, trainer: Trainer) -> None:
-        super().setup(trainer)
-        if trainer.num_devices != 1 or trainer.num_nodes != 1:
-            raise ValueError("TorchFTStrategy: one process per replica group (trainer.devices 1, num_nodes 1)")
+        if trainer.num_nodes != 1:
+            raise ValueError(
+                f"TorchFTStrategy: a replica group's processes on one node (trainer.num_nodes 1, got "
+                f"{trainer.num_nodes}); on Slurm, one group per node: slurm/train_torchft.sbatch"
+            )
         if trainer.training:
             module = trainer.lightning_module
             if not module.automatic_optimization or trainer.accumulate_grad_batches != 1:
@@ -124,17 +149,33 @@ class TorchFTStrategy(SingleDeviceStrategy):
                     "TorchFTStrategy: automatic optimization without gradient accumulation only "
                     "(accumulate_grad_batches 1)"
                 )
-            groups = self.replica_groups or int(os.environ.get(REPLICA_GROUPS_ENV, "1"))
-            self.share = (groups, data.group_index(self._replica_id(), groups))
+            self.groups = self.replica_groups or int(os.environ.get(REPLICA_GROUPS_ENV, "1"))
+            index = data.group_index(self._replica_id(), self.groups)
+            self.share = (self.groups * self.world_size, index * self.world_size + self.global_rank)
             self.peer_state = PeerState(trainer, self.batch_start)
             self.manager = self._manager(trainer)
-            assert self.model is not None
-            self.model = compat.fault_tolerant_ddp(self.manager, self.model)
+        super().setup(trainer)  # wraps the model (_setup_model)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """In a fit, the module wrapped so that its backward averages each gradient across the quorum's groups: one
+        process, torchft's DDP (:func:`lit_ddp.compat.fault_tolerant_ddp`); W, DDP over the group's processes with a
+        hook that averages over them, then across the quorum (:func:`group_then_quorum`)."""
+        if self.manager is None:
+            return super()._setup_model(model)
+        if self.one_process:
+            return compat.fault_tolerant_ddp(self.manager, model)
+        # The groups all-reduce DDP's flat buckets, so every group's must hold the same gradients in the same order;
+        # DDP re-orders its buckets after its first backward, which a group that joins later would do steps after the
+        # others, unless it looks for unused parameters (as torchft's own DDP wrapper does).
+        self._ddp_kwargs["find_unused_parameters"] = True
+        ddp = super()._setup_model(model)
+        ddp.register_comm_hook((self.manager, self.world_size), group_then_quorum)
+        return ddp
 
     def _manager(self, trainer: Trainer) -> Any:
-        """torchft's manager of this group: its own store on loopback, gloo across the groups, the peer state
-        registered for healing, the quorum started by :meth:`optimizer_step` (not asynchronously: a heal lands
-        before the forward)."""
+        """torchft's manager of this process: the group's store (:meth:`_group_store`), gloo across the groups, the
+        peer state registered for healing, the quorum started by :meth:`optimizer_step` (not asynchronously: a heal
+        lands before the forward)."""
         from torchft import Manager, ProcessGroupGloo
 
         lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
@@ -144,9 +185,10 @@ class TorchFTStrategy(SingleDeviceStrategy):
                 "(python -m lit_ddp.ft.launch sets it)"
             )
         replica_id = self._replica_id()
-        if loopback.is_loopback(lighthouse.split("://")[-1].rsplit(":", 1)[0]):
+        on_loopback = loopback.is_loopback(lighthouse.split("://")[-1].rsplit(":", 1)[0])
+        if on_loopback:
             loopback.use_loopback_interface()  # gloo's connections between the groups on loopback
-        self._store = loopback.store(0, None, True, wait_for_workers=False)
+        store_addr, store_port = self._group_store(on_loopback)
         compat.weights_only_transport()  # a peer's state is tensors and plain data: nothing of it may run code
         assert self.peer_state is not None
         manager = Manager(
@@ -158,20 +200,34 @@ class TorchFTStrategy(SingleDeviceStrategy):
             timeout=self.timeout,
             quorum_timeout=self.quorum_timeout,
             connect_timeout=self.connect_timeout,
-            rank=0,
-            world_size=1,
-            store_addr=loopback.LOOPBACK,
-            store_port=self._store.port,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store_addr=store_addr,
+            store_port=store_port,
             lighthouse_addr=lighthouse,
             replica_id=replica_id,
         )
-        assert self.share is not None
-        groups, index = self.share
         rank_zero_info(
-            f"torchft: replica group {replica_id!r} (share {index} of {groups} of each global batch), "
-            f"lighthouse {lighthouse}"
+            f"torchft: replica group {replica_id!r} of {self.groups} ({self.world_size} process(es), share "
+            f"{data.group_index(replica_id, self.groups)} of each global batch), lighthouse {lighthouse}"
         )
         return manager
+
+    def _group_store(self, on_loopback: bool) -> tuple[str, int]:
+        """The group's TCPStore, where its processes' managers meet and whose address the quorum hands the other
+        groups (their all-reduce's rendezvous): served by rank 0, on loopback when the lighthouse is (one machine),
+        else on every interface under this host's name; its address sent to the group's other ranks."""
+        address: list[Any] = [None]
+        if self.global_rank == 0:
+            if on_loopback:
+                self._store = loopback.store(0, None, True, wait_for_workers=False)
+                address = [(loopback.LOOPBACK, self._store.port)]
+            else:
+                self._store = dist.TCPStore(socket.gethostname(), 0, None, True, wait_for_workers=False)
+                address = [(socket.gethostname(), self._store.port)]
+        if not self.one_process:
+            dist.broadcast_object_list(address, src=0)
+        return address[0]
 
     def _replica_id(self) -> str:
         return self.replica_id or os.environ.get(REPLICA_ENV) or "group_0"
@@ -258,8 +314,7 @@ class TorchFTStrategy(SingleDeviceStrategy):
     def _quorum_of_every_group(self) -> None:
         """Asks for the quorum again until every group is in it (a group resumed from disk, before its first step),
         for at most ``quorum_timeout``; then the step goes on with the groups there."""
-        assert self.share is not None
-        groups, self._await_every_group = self.share[0], False
+        groups, self._await_every_group = self.groups, False
         deadline = time.monotonic() + self.quorum_timeout.total_seconds()
         while self.manager.num_participants() < groups and time.monotonic() < deadline:
             time.sleep(QUORUM_RETRY_S)

@@ -173,3 +173,57 @@ def test_a_group_refusing_its_config_is_not_restarted(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout[-3000:]
     assert done.stdout.count("(bad use): not restarted") == 2, done.stdout[-3000:]
     assert "restart 1" not in done.stdout
+
+
+@pytest.mark.timeout(180)
+def test_groups_of_two_processes_a_killed_worker_stops_no_other_group(tmp_path: Path) -> None:
+    """Two replica groups of two processes each (one torchrun job per group, ``--nproc_per_group 2``); rank 1 of
+    group_1 is SIGKILLed mid-training. torchrun restarts group_1's two processes; group_0's keep their process ids
+    and step on during the outage; the restarted group heals rank by rank from group_0 and ends with parameters
+    identical to group_0's, bit for bit. Each committed step of each process trained its share of the same global
+    batch as an uninterrupted run of 4 readers (group ``i``'s rank ``r`` is reader ``2i + r``)."""
+    trace = tmp_path / "trace"
+    proc = launch(tmp_path, trace, 100, {"group_0": 0.05, "group_1": 0.1}, "--nproc_per_group", "2",
+                  "--max_restarts", "1", "--heartbeat_timeout_ms", "1000")  # fmt: skip
+    ranks = {(g, r): f"group_{g}" if r == 0 else f"group_{g}.rank{r}" for g in (0, 1) for r in (0, 1)}
+    try:
+        deadline = time.monotonic() + 120
+        while not all(len(steps(trace, name)) >= 15 for name in ranks.values()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the groups did not all train"
+            time.sleep(0.2)
+        survivor_pids = {steps(trace, ranks[0, r])[-1][1] for r in (0, 1)}
+        victim_pid = steps(trace, ranks[1, 1])[-1][1]
+        os.kill(victim_pid, signal.SIGKILL)
+        killed_at = time.time()
+        done = wait(proc, timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert done.returncode == 0, done.stdout[-3000:]
+
+    assert {pid for r in (0, 1) for _, pid, _ in steps(trace, ranks[0, r])} == survivor_pids, (
+        "a survivor's process was restarted"
+    )
+    survivor, victim = steps(trace, ranks[0, 0]), steps(trace, ranks[1, 1])
+    back = [row for row in victim if row[1] != victim_pid]
+    assert back, "group_1 never stepped again"
+    back_at, _, back_step = back[0]
+    during = [step for t, _, step in survivor if killed_at < t < back_at]
+    before = max(step for t, _, step in survivor if t <= killed_at)
+    print(
+        f"\ntorchft, 2 groups x 2 processes: group_1's rank 1 killed at survivor step {before}; group_0 made "
+        f"{len(during)} steps ({before} -> {max(during, default=before)}) during the outage; group_1 stepped again "
+        f"{back_at - killed_at:.2f} s after the kill, at step {back_step}"
+    )
+    assert len(during) > 0 and max(during) > before, "the survivors did not step during the outage"
+    assert back_step > before, "the restarted group did not heal to the survivors' step"
+
+    (step_0, params_0), (step_1, params_1) = (final_parameters(tmp_path / "runs" / g) for g in ("group_0", "group_1"))
+    assert step_0 == step_1 == 100
+    assert all(torch.equal(params_0[k], params_1[k]) for k in params_0), "the groups' final parameters differ"
+
+    print(f"sampler seed {DEFAULT_SEED} (the CLI's)")
+    for (g, r), name in ranks.items():
+        share = committed(trace, name)
+        wrong = [s for s, got in share.items() if got != expected_share(s, 2 * g + r, groups=4)]
+        assert not wrong, f"group_{g} rank {r} trained other samples than its share at steps {wrong[:5]}"

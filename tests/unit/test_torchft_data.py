@@ -249,7 +249,7 @@ def test_a_group_resumed_from_disk_waits_for_every_group_then_for_no_longer_than
     import time
 
     strategy = TorchFTStrategy(replica_id="group_1", replica_groups=GROUPS)
-    strategy.share = (GROUPS, 1)
+    strategy.groups = GROUPS
     strategy.manager = Participants([1, 1, GROUPS])
     strategy.manager.start_quorum()  # the step's own quorum, as optimizer_step asks it first
     strategy._await_every_group = True
