@@ -4,6 +4,7 @@ trace records the samples every step trained (tests.callbacks.StepTrace)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -19,7 +20,7 @@ from lit_ddp.cli import DEFAULT_SEED
 from lit_ddp.data.regression import RegressionDataModule
 from lit_ddp.data.samplers import GlobalOrderSampler
 from tests.callbacks import StepTrace
-from tests.helpers import callback, compose, start, subprocess_env, wait, write_callbacks_config
+from tests.helpers import callback, compose, descendants, start, subprocess_env, wait, write_callbacks_config
 
 pytest.importorskip("torchft")
 
@@ -175,15 +176,22 @@ def test_a_group_refusing_its_config_is_not_restarted(tmp_path: Path) -> None:
     assert "restart 1" not in done.stdout
 
 
+MAX_STEPS_2X2 = 200
+
+
 @pytest.mark.timeout(180)
-def test_groups_of_two_processes_a_killed_worker_stops_no_other_group(tmp_path: Path) -> None:
-    """Two replica groups of two processes each (one torchrun job per group, ``--nproc_per_group 2``); rank 1 of
-    group_1 is SIGKILLed mid-training. torchrun restarts group_1's two processes; group_0's keep their process ids
-    and step on during the outage; the restarted group heals rank by rank from group_0 and ends with parameters
-    identical to group_0's, bit for bit. Each committed step of each process trained its share of the same global
+@pytest.mark.parametrize("lost", ["worker", "group"])
+def test_groups_of_two_processes_a_lost_worker_or_group_stops_no_other_group(tmp_path: Path, lost: str) -> None:
+    """Two replica groups of two processes each (one torchrun job per group, ``--nproc_per_group 2``). ``worker``:
+    rank 1 of group_1 is SIGKILLed mid-training, and torchrun restarts group_1's two processes; ``group``: group_1's
+    torchrun and both its processes are SIGKILLed at once (a lost node), and the launcher starts the group again.
+    group_0's processes keep their process ids and step on during the outage; the restarted group heals rank by rank
+    from group_0 and ends with parameters identical to group_0's, bit for bit. Each committed step of each process trained its share of the same global
     batch as an uninterrupted run of 4 readers (group ``i``'s rank ``r`` is reader ``2i + r``)."""
     trace = tmp_path / "trace"
-    proc = launch(tmp_path, trace, 100, {"group_0": 0.05, "group_1": 0.1}, "--nproc_per_group", "2",
+    # Slow enough steps that group_0 alone is still training when a whole group_1's restart is back (torchrun and
+    # two processes importing: 7 s here, and a machine 3x slower), else group_1 would come back to a finished job.
+    proc = launch(tmp_path, trace, MAX_STEPS_2X2, {"group_0": 0.08, "group_1": 0.1}, "--nproc_per_group", "2",
                   "--max_restarts", "1", "--heartbeat_timeout_ms", "1000")  # fmt: skip
     ranks = {(g, r): f"group_{g}" if r == 0 else f"group_{g}.rank{r}" for g in (0, 1) for r in (0, 1)}
     try:
@@ -193,7 +201,10 @@ def test_groups_of_two_processes_a_killed_worker_stops_no_other_group(tmp_path: 
             time.sleep(0.2)
         survivor_pids = {steps(trace, ranks[0, r])[-1][1] for r in (0, 1)}
         victim_pid = steps(trace, ranks[1, 1])[-1][1]
-        os.kill(victim_pid, signal.SIGKILL)
+        agent = int(Path(f"/proc/{victim_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its torchrun
+        for pid in [agent, *descendants(agent)] if lost == "group" else [victim_pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         killed_at = time.time()
         done = wait(proc, timeout=150)
     finally:
@@ -211,7 +222,8 @@ def test_groups_of_two_processes_a_killed_worker_stops_no_other_group(tmp_path: 
     during = [step for t, _, step in survivor if killed_at < t < back_at]
     before = max(step for t, _, step in survivor if t <= killed_at)
     print(
-        f"\ntorchft, 2 groups x 2 processes: group_1's rank 1 killed at survivor step {before}; group_0 made "
+        f"\ntorchft, 2 groups x 2 processes, group_1's {'rank 1' if lost == 'worker' else 'torchrun and processes'} "
+        f"killed at survivor step {before}; group_0 made "
         f"{len(during)} steps ({before} -> {max(during, default=before)}) during the outage; group_1 stepped again "
         f"{back_at - killed_at:.2f} s after the kill, at step {back_step}"
     )
@@ -219,7 +231,7 @@ def test_groups_of_two_processes_a_killed_worker_stops_no_other_group(tmp_path: 
     assert back_step > before, "the restarted group did not heal to the survivors' step"
 
     (step_0, params_0), (step_1, params_1) = (final_parameters(tmp_path / "runs" / g) for g in ("group_0", "group_1"))
-    assert step_0 == step_1 == 100
+    assert step_0 == step_1 == MAX_STEPS_2X2
     assert all(torch.equal(params_0[k], params_1[k]) for k in params_0), "the groups' final parameters differ"
 
     print(f"sampler seed {DEFAULT_SEED} (the CLI's)")

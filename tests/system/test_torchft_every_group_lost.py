@@ -6,6 +6,7 @@ heals from the group at the highest step: the manager's step must follow the res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ import torch
 
 from lit_ddp.run_dir.checkpoints import ranked_checkpoints
 from tests.callbacks import StepTrace
-from tests.helpers import callback, compose, start, subprocess_env, wait, write_callbacks_config
+from tests.helpers import callback, compose, descendants, start, subprocess_env, wait, write_callbacks_config
 from tests.system.test_torchft import steps, trained
 
 pytest.importorskip("torchft")
@@ -30,14 +31,14 @@ MAX_STEPS = 200
 EVERY = 10  # steps between checkpoints
 
 
-def launch(root: Path, trace: Path) -> subprocess.Popen:
+def launch(root: Path, trace: Path, nproc: int) -> subprocess.Popen:
     callbacks = write_callbacks_config(
         root / "trace.yaml",
         callback(StepTrace, directory=str(trace), sleep={"group_0": 0.03, "group_1": 0.03}, indices=True),
     )
     cmd = [
         sys.executable, "-m", "lit_ddp.ft.launch", "--replica_groups", "2", "--root", str(root / "runs"),
-        "--max_restarts", "0", "--",
+        "--max_restarts", "0", "--nproc_per_group", str(nproc), "--",
         "fit", *compose("trainer/torchft", "regression/single_device", "checkpoint/fault_tolerant"),
         "--config", str(callbacks), "--checkpoint.every_n_train_steps", str(EVERY),
         "--trainer.max_steps", str(MAX_STEPS), "--trainer.max_epochs", "-1", "--trainer.limit_val_batches", "0",
@@ -51,8 +52,9 @@ def checkpoints(root: Path, group: str) -> list[tuple[int, str]]:
     return ranked_checkpoints(str(root / "runs" / group))
 
 
-@pytest.mark.timeout(120)
-def test_every_group_lost_resumes_from_disk_and_heals_the_older_from_the_newer(tmp_path: Path) -> None:
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("nproc", [1, 2], ids=["groups of 1 process", "groups of 2 processes"])
+def test_every_group_lost_resumes_from_disk_and_heals_the_older_from_the_newer(tmp_path: Path, nproc: int) -> None:
     """Both groups (and the lighthouse) are SIGKILLed at once; group_1's checkpoints newer than group_0's newest
     less EVERY steps are removed (as if its last saves had been lost; the kill may itself have cut one). Started
     again, each group resumes from its own newest checkpoint, group_1 EVERY steps behind group_0; the first quorum
@@ -60,13 +62,16 @@ def test_every_group_lost_resumes_from_disk_and_heals_the_older_from_the_newer(t
     their final checkpoints hold the same parameters and optimizer states, bit for bit, and torchft's manager at
     max_steps."""
     trace = tmp_path / "trace"
-    first = launch(tmp_path, trace)
+    first = launch(tmp_path, trace, nproc)
     try:
         deadline = time.monotonic() + 60
         while len(steps(trace, "group_1")) < 2 * EVERY + 5:  # both groups past two checkpoints together
             assert first.poll() is None and time.monotonic() < deadline, "the groups did not both train"
             time.sleep(0.2)
-        os.killpg(first.pid, signal.SIGKILL)  # the launcher, its lighthouse and both groups
+        # The launcher, its lighthouse and both groups, torchrun's workers too (in sessions of their own).
+        for pid in [first.pid, *descendants(first.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         first.wait(timeout=10)
     finally:
         if first.poll() is None:
@@ -86,7 +91,7 @@ def test_every_group_lost_resumes_from_disk_and_heals_the_older_from_the_newer(t
     assert newest_1 == newest_0 - EVERY > 0
 
     restarted_at = time.time()
-    second = launch(tmp_path, trace)
+    second = launch(tmp_path, trace, nproc)
     done = wait(second, timeout=80)
     assert done.returncode == 0, done.stdout[-3000:]
 
