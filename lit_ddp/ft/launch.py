@@ -8,9 +8,10 @@ group (``$TORCHFT_LIGHTHOUSE``, ``$REPLICA_GROUP_ID=group_<i>``, ``$TORCHFT_REPL
 share ``i`` of each global batch; run directory ``<root>/group_<i>``), printing its process id at every start: a
 ``lit-ddp`` process of its own, or with ``--nproc_per_group W`` a torchrun job of W processes (``--standalone``,
 ``--trainer.devices W``). A group that fails is started again (at most ``--max_restarts`` times each; not one that
-exited with 2, a bad command or config) and rejoins the quorum from a live peer, the others going on meanwhile;
-under torchrun, torchrun restarts the group's processes itself (``--max_restarts`` times). Ends when every group
-has ended: status 0 when all finished, else the first failure's.
+exited with 2, a bad command or config) and rejoins the quorum from a live peer, the others going on meanwhile; a
+torchrun group's dead worker is restarted by its torchrun first (with its other processes, ``--max_restarts``
+times), the launcher starting the group again when torchrun itself fails or dies. Ends when every group has ended:
+status 0 when all finished, else the first failure's.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default=5000,
         help="a group silent this long is out of the quorum: about what a dead group costs the others",
     )
-    parser.add_argument("--max_restarts", type=int, default=3, help="restarts of each group's process")
+    parser.add_argument(
+        "--max_restarts", type=int, default=3, help="restarts of each group (and, W > 1, its torchrun's)"
+    )
     args = parser.parse_args(own)
     if args.replica_groups < 1 or args.nproc_per_group < 1 or not command:
         parser.error(
