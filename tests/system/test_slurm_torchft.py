@@ -65,9 +65,11 @@ def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_pat
     group_0; both end at max_steps with bit-identical parameters, and the job COMPLETED."""
     require_cluster(2)
     trace, out = tmp_path / "trace", tmp_path / "job.out"
-    # group_1 slower: at the kill group_0 waits for it in the all-reduce (as tests/system/test_torchft.py).
+    # group_1 slower: at the kill group_0 waits for it in the all-reduce (as tests/system/test_torchft.py). Alone,
+    # group_0 needs about 30 s for the rest of MAX_STEPS: more than group_1's restart takes on a busy 2-core machine
+    # (11.6 s seen at load 4.5; 4.2 to 7.8 s otherwise), which must rejoin before group_0 ends.
     callbacks = write_callbacks_config(
-        tmp_path / "trace.yaml", callback(StepTrace, directory=str(trace), sleep={"group_0": 0.05, "group_1": 0.1})
+        tmp_path / "trace.yaml", callback(StepTrace, directory=str(trace), sleep={"group_0": 0.1, "group_1": 0.12})
     )
     args = [
         config("regression/single_device"), "--config", str(callbacks), "--trainer.max_steps", str(MAX_STEPS),
