@@ -25,6 +25,11 @@ class UsageError(LitDDPError, ValueError):
     exit_code = 2
 
 
+BAD_USE_FILE_ENV = "LIT_DDP_BAD_USE_FILE"
+"""Names a file that ``lit-ddp`` creates when it exits for bad use (:class:`UsageError`'s status), for a launcher
+that sees only torchrun's status (1 for any failure) and must not start a bad command again."""
+
+
 class ResumePointError(UsageError):
     """The ranks cannot all resume from the checkpoint rank zero chose (the run directory is not shared)."""
 

@@ -8,10 +8,12 @@ group (``$TORCHFT_LIGHTHOUSE``, ``$REPLICA_GROUP_ID=group_<i>``, ``$TORCHFT_REPL
 share ``i`` of each global batch; run directory ``<root>/group_<i>``), printing its process id at every start: a
 ``lit-ddp`` process of its own, or with ``--nproc_per_group W`` a torchrun job of W processes (``--standalone``,
 ``--trainer.devices W``). A group that fails is started again (at most ``--max_restarts`` times each; not one that
-exited with 2, a bad command or config) and rejoins the quorum from a live peer, the others going on meanwhile; a
-torchrun group's dead worker is restarted by its torchrun first (with its other processes, ``--max_restarts``
-times), the launcher starting the group again when torchrun itself fails or dies. Ends when every group has ended:
-status 0 when all finished, else the first failure's.
+exited for bad use, a bad command or config) and rejoins the quorum from a live peer, the others going on
+meanwhile. A torchrun group's dead worker ends its torchrun (``--max_restarts 0``: torchrun reports every failure
+with status 1, and the launcher, which restarts the group, must tell a bad config from a crash: a worker exiting for
+bad use creates ``$LIT_DDP_BAD_USE_FILE``); measured here, starting the group's torchrun again put it back no later
+than torchrun's own restart would. Ends when every group has ended: status 0 when all finished, else the first
+failure's (2 for bad use).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from lit_ddp.errors import UsageError
+from lit_ddp.errors import BAD_USE_FILE_ENV, UsageError
 from lit_ddp.ft.strategy import LIGHTHOUSE_ENV, REPLICA_ENV, REPLICA_GROUPS_ENV, require_torchft
 
 
@@ -101,12 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "lit_ddp", *command, "--trainer.default_root_dir", str(run_dir)]
         if args.nproc_per_group > 1:
             torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc_per_group)]
-            cmd[1:3] = [*torchrun, "--max_restarts", str(args.max_restarts), "-m", "lit_ddp"]
+            cmd[1:3] = [*torchrun, "--max_restarts", "0", "-m", "lit_ddp"]
             cmd += ["--trainer.devices", str(args.nproc_per_group)]
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a restart's rendezvous (pytorch/pytorch#135712)
+        bad_use_file(group).unlink(missing_ok=True)
+        env[BAD_USE_FILE_ENV] = str(bad_use_file(group))
         proc = subprocess.Popen(cmd, env=env)
         print(f"lit_ddp.ft.launch: group_{group} pid {proc.pid} run directory {run_dir}", flush=True)
         return proc
+
+    bad_use_dir = tempfile.TemporaryDirectory(prefix="lit_ddp_ft_")
+
+    def bad_use_file(group: int) -> Path:
+        return Path(bad_use_dir.name, f"group_{group}")
 
     procs = {g: start(g) for g in range(args.replica_groups)}
     restarts = dict.fromkeys(procs, 0)
@@ -128,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                 del procs[group]
                 if code == 0:
                     print(f"lit_ddp.ft.launch: group_{group} finished", flush=True)
-                elif code == UsageError.exit_code:  # a bad command or config: every start would fail the same way
+                elif code == UsageError.exit_code or bad_use_file(group).exists():  # every start would fail alike
                     print(f"lit_ddp.ft.launch: group_{group} exited with {code} (bad use): not restarted", flush=True)
-                    status = status or code
+                    status = status or UsageError.exit_code
                 elif restarts[group] < args.max_restarts:
                     restarts[group] += 1
                     print(f"lit_ddp.ft.launch: group_{group} exited with {code}: restart {restarts[group]}", flush=True)
@@ -141,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
     finally:
         server.shutdown()
+        bad_use_dir.cleanup()
     return status
 
 

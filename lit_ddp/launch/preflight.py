@@ -321,8 +321,24 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
         )
 
 
+def check_replica_group(trainer: Any, env: Mapping[str, str] | None = None) -> None:
+    """Raises UsageError where torchft's launcher started this process (``$TORCHFT_LIGHTHOUSE`` set: a replica group)
+    but the config's strategy is not :class:`lit_ddp.ft.strategy.TorchFTStrategy`: the group would train alone,
+    outside the quorum (FSDP2 or tensor parallelism within a group: not built here; a group is one process or DDP)."""
+    env = os.environ if env is None else env
+    strategy = config_value(trainer, "strategy")
+    name = str(config_value(strategy, "class_path") or strategy)
+    if "TORCHFT_LIGHTHOUSE" in env and not name.endswith("TorchFTStrategy"):
+        raise UsageError(
+            f"python -m lit_ddp.ft.launch started this replica group but trainer.strategy is {name}: a group trains "
+            "with lit_ddp.ft.strategy.TorchFTStrategy (compose configs/trainer/torchft.yaml after the other trainer "
+            "fragments); within a group, one process or DDP (--nproc_per_group), not FSDP2 or tensor parallelism"
+        )
+
+
 def run_preflight(trainer: Any, env: Mapping[str, str] | None = None) -> None:
-    """The checks of the trainer config, in the order a user meets the problems: launch, machine, address, port.
+    """The checks of the trainer config, in the order a user meets the problems: replica group, launch, machine,
+    address, port.
     (``--ckpt_path`` is checked earlier, when the CLI parses it: :func:`check_ckpt_path`.)
 
     Args:
@@ -332,6 +348,7 @@ def run_preflight(trainer: Any, env: Mapping[str, str] | None = None) -> None:
     Raises:
         UsageError: the first problem found.
     """
+    check_replica_group(trainer, env)
     check_launch(trainer, env)
     check_trainer(trainer, env=env)
     check_master_addr(env)

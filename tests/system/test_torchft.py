@@ -163,16 +163,20 @@ def test_a_killed_group_stops_no_one_and_heals_from_its_peer(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(120)
-def test_a_group_refusing_its_config_is_not_restarted(tmp_path: Path) -> None:
-    """A bad option makes every group exit with 2 (one line each); the launcher restarts none of them (each start
-    would fail alike) and ends with 2."""
+@pytest.mark.parametrize("nproc", [1, 2], ids=["groups of 1 process", "groups of 2 processes"])
+def test_a_group_refusing_its_config_is_not_restarted(tmp_path: Path, nproc: int) -> None:
+    """A bad option makes every group exit for bad use (under torchrun, whose status is 1, too); the launcher
+    restarts none of them (each start would fail alike) and ends with 2."""
     cmd = [
-        sys.executable, "-m", "lit_ddp.ft.launch", "--replica_groups", "2", "--root", str(tmp_path / "runs"), "--",
+        sys.executable, "-m", "lit_ddp.ft.launch", "--replica_groups", "2", "--root", str(tmp_path / "runs"),
+        "--nproc_per_group", str(nproc), "--",
         "fit", *compose("trainer/torchft", "regression/single_device"), "--trainer.max_steps", "many",
     ]  # fmt: skip
     done = wait(start(cmd, env=subprocess_env(OMP_NUM_THREADS="1", RUST_LOG="warn")), timeout=100)
     assert done.returncode == 2, done.stdout[-3000:]
     assert done.stdout.count("(bad use): not restarted") == 2, done.stdout[-3000:]
+    # one message per process (each of torchrun's processes prints the config parser's)
+    assert done.stdout.count("Got value: many") == 2 * nproc, done.stdout[-3000:]
     assert "restart 1" not in done.stdout
 
 

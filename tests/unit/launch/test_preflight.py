@@ -11,7 +11,7 @@ import pytest
 
 from lit_ddp.cli import cli_main
 from lit_ddp.errors import UsageError
-from lit_ddp.launch.preflight import check_launch, check_trainer
+from lit_ddp.launch.preflight import check_launch, check_replica_group, check_trainer
 from lit_ddp.launch.reporting import USAGE_EXIT_CODE
 from tests.helpers import QUIET, SLURM_PLUGIN, SRUN_2, SRUN_CONFIGS, compose, usage_error, without
 
@@ -215,3 +215,30 @@ def test_a_resolver_that_does_not_answer_is_refused_after_the_timeout(monkeypatc
     with pytest.raises(UsageError, match=r"MASTER_ADDR='node7' does not resolve .*no answer from the resolver within"):
         preflight.check_master_addr({"MASTER_ADDR": "node7"}, timeout=0.2)
     never.set()
+
+
+FT_STRATEGY = {"class_path": "lit_ddp.ft.strategy.TorchFTStrategy"}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "refused"),
+    [
+        (FT_STRATEGY, False),
+        ({"class_path": "lit_ddp.strategies.FSDP2Strategy"}, True),
+        ({"class_path": "lit_ddp.strategies.DDPStrategy"}, True),
+        ("auto", True),
+    ],
+)
+def test_a_replica_group_trains_with_the_torchft_strategy_only(strategy: object, refused: bool) -> None:
+    """Under torchft's launcher ($TORCHFT_LIGHTHOUSE set) a config whose strategy is not TorchFTStrategy (a trainer
+    fragment composed after torchft.yaml) is refused in one line naming it; outside the launcher nothing is."""
+    env = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510"}
+    trainer = {"strategy": strategy, "devices": 1}
+    check_replica_group(trainer, {})
+    if not refused:
+        check_replica_group(trainer, env)
+        return
+    with pytest.raises(UsageError) as e:
+        check_replica_group(trainer, env)
+    name = strategy if isinstance(strategy, str) else strategy["class_path"]
+    assert name in str(e.value) and "TorchFTStrategy" in str(e.value) and "\n" not in str(e.value)
