@@ -16,12 +16,14 @@ injected from outside, then compares the two final checkpoints bit for bit.
   slurm/train.sbatch CONFIG ARGS`` (CONFIG: the first ``--config`` of ARGS) on the cluster ``sbatch`` reaches;
   a job that ends failed is submitted again, as an operator would. ``--sbatch slurm/train_elastic.sbatch``: one
   torchrun agent per node with P workers (``NPROC_PER_NODE``), which restarts them (``MAX_RESTARTS``).
-  ``torchft``: ``python -m lit_ddp.ft.launch --replica_groups R --root DIR --max_restarts K -- fit ARGS``, R
-  replica groups of one process that train on while one is lost, the launcher restarting it
+  ``torchft``: ``python -m lit_ddp.ft.launch --replica_groups R --nproc_per_group N --root DIR --max_restarts K --
+  fit ARGS``, R replica groups of N processes (default 1; N > 1: a torchrun job each) that train on while one is
+  lost, the launcher restarting it
   (:mod:`lit_ddp.chaos.replica_groups`: its faults, its table, its comparison).
 - Fault kinds (each chosen kind once before any comes again): ``kill`` (SIGKILL of one worker, a crash),
   ``term`` (SIGTERM of the job, a preemption or ``scancel``: the run saves at a step boundary and exits 143; not
-  under torchft, which takes ``kill``, one group's worker, and ``node``, the whole group: today its one process),
+  under torchft, which takes ``kill``, one group's worker (its torchrun's of the highest rank), and ``node``, the
+  whole group: its process, or its torchrun and workers),
   ``hang`` (SIGSTOP of one worker, torchrun only: the others fail at the collective timeout, which the tool
   sets to 20 s), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine; under
   Slurm of the job's tasks on one node, from an overlapping ``srun`` step),
@@ -112,7 +114,10 @@ def chaos_parser() -> ArgumentParser:
     the tool's options, then ``--`` and the arguments of ``lit-ddp fit``."""
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launcher", choices=tuple(LAUNCHER_KINDS), default="single")
-    parser.add_argument("--nproc_per_node", type=int, default=2, help="torchrun: processes; slurm: tasks per node")
+    parser.add_argument(
+        "--nproc_per_node", type=int | None, default=None,
+        help="torchrun: processes (default 2); slurm: tasks per node (2); torchft: processes per group (1)",
+    )  # fmt: skip
     parser.add_argument("--nodes", "--nnodes", type=int, default=1, help="slurm: nodes; torchrun: agents here")
     parser.add_argument("--replica_groups", type=int, default=2, help="torchft: replica groups (>= 2)")
     parser.add_argument(
@@ -166,6 +171,10 @@ def check(args: Namespace) -> tuple[Namespace, list[str]]:
         raise UsageError(
             f"--nodes {args.nodes}: give 1 for --launcher single and torchft, at least 1 for torchrun and slurm"
         )
+    if args.nproc_per_node is None:
+        args.nproc_per_node = 1 if args.launcher == "torchft" else 2
+    if args.nproc_per_node < 1:
+        raise UsageError(f"--nproc_per_node {args.nproc_per_node}: give at least 1")
     if args.launcher == "torchft":
         if args.replica_groups < 2:
             raise UsageError(

@@ -38,10 +38,25 @@ class Fault:
 
 def workers(proc: subprocess.Popen, launcher: str) -> list[int]:
     """The training processes: the process itself (single), torchrun's children, or the replica groups'
-    processes (torchft: the children of ``python -m lit_ddp.ft.launch``)."""
+    processes (torchft: the children of ``python -m lit_ddp.ft.launch``, and of a group's torchrun)."""
     if launcher == "single":
         return [proc.pid] if proc.poll() is None else []
+    if launcher == "torchft":
+        return descendants(proc.pid)
     return children(proc.pid)
+
+
+def descendants(pid: int) -> list[int]:
+    """The process ids of ``pid``'s children, theirs, and so on."""
+    return [d for child in children(pid) for d in (child, *descendants(child))]
+
+
+def parent(pid: int) -> int | None:
+    """``pid``'s parent process id (``/proc``), None where ``pid`` does not run."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def children(pid: int) -> list[int]:
@@ -105,7 +120,8 @@ class Job:
             self.cmd = [*launcher, "-m", "lit_ddp", "fit", *fit, *extra]
         elif args.launcher == "torchft":  # the lighthouse and R groups, each group restarted by the launcher
             launcher = [sys.executable, "-m", "lit_ddp.ft.launch", "--replica_groups", str(args.replica_groups),
-                        "--root", str(root), "--max_restarts", str(args.max_restarts)]  # fmt: skip
+                        "--nproc_per_group", str(args.nproc_per_node), "--root", str(root),
+                        "--max_restarts", str(args.max_restarts)]  # fmt: skip
             if args.heartbeat_timeout_ms is not None:
                 launcher += ["--heartbeat_timeout_ms", str(args.heartbeat_timeout_ms)]
             self.cmd = [*launcher, "--", "fit", *fit, *extra]

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from lit_ddp.chaos.compare import first_difference
-from lit_ddp.chaos.job import Fault, Job, children
+from lit_ddp.chaos.job import Fault, Job, children, descendants, parent, rank_of
 from lit_ddp.run_dir import layout, sharded
 
 # python -m lit_ddp.ft.launch prints this at every start of a group's process
@@ -46,16 +46,19 @@ def current_pids(output: str) -> dict[str, int]:
     return {group: pid for group, pid, _ in starts(output)}
 
 
-def _descendants(pid: int) -> list[int]:
-    return [d for child in children(pid) for d in (child, *_descendants(child))]
-
-
-def inject(fault: Fault, pid: int | None) -> int | None:
-    """SIGKILLs a group's worker ``pid`` (``kill``) or the whole group (``node``: the worker and its processes at
-    once; with one process per group the same process); returns ``pid``, or None where it does not run."""
+def inject(fault: Fault, pid: int | None, nproc: int = 1) -> int | None:
+    """SIGKILLs one worker of the group the launcher started as ``pid`` (``kill``: the process itself, or with
+    ``nproc`` > 1 processes per group its torchrun's worker of the highest rank) or the whole group (``node``: ``pid``
+    and every process under it at once); returns the pid of the worker killed (``node``: ``pid``), or None where
+    the group, or a torchrun's workers, do not run (yet)."""
     if pid is None or not Path(f"/proc/{pid}").exists():
         return None
-    victims = [pid, *_descendants(pid)] if fault.kind == "node" else [pid]
+    if fault.kind == "kill" and nproc > 1:
+        ranks = children(pid)
+        if len(ranks) < nproc:
+            return None
+        pid = max(ranks, key=rank_of)
+    victims = [pid, *descendants(pid)] if fault.kind == "node" else [pid]
     for victim in victims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGKILL)
@@ -91,8 +94,10 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
         return seen
 
     def step_of(group_dir: Path, pid: int | None = None) -> int | None:
+        """The group's committed step, as its rank zero last told it; None where that process is not ``pid``, the
+        group's process the launcher started (or, a torchrun group, one of its workers)."""
         now = job.progress(group_dir)
-        return None if now is None or (pid is not None and now[2] != pid) else now[1]
+        return None if now is None or (pid is not None and pid not in (now[2], parent(now[2]))) else now[1]
 
     def watch() -> None:
         """Notes, for each fault whose group is not back yet, the survivors' pauses and steps and the group's return."""
@@ -111,7 +116,7 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
             # from its own checkpoint after they finished)
             healed = job.progress(dirs[f["group"]])
             running = [g for g in pids if g != f["group"] and Path(f"/proc/{pids[g]}").exists()]
-            if (healed is not None and healed[2] != f["pid"] and healed[1] > f["step"] and running
+            if (healed is not None and healed[2] not in f["stale"] and healed[1] > f["step"] and running
                     and healed[1] >= max(survivors, default=0) - 1):  # fmt: skip
                 # it healed to the survivors' step and committed the next with them: theirs alone came before
                 f["back"], f["during"] = now - f["t"], max(0, healed[1] - 1 - f["step"])
@@ -149,13 +154,16 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
                 watch()
                 dirs = {g: d for g, _, d in starts(output())}
                 steps = [s for d in dirs.values() if (s := step_of(d)) is not None]
-                victim = current_pids(output()).get(group)
-                if steps and max(steps) >= at and (pid := inject(fault, victim)) is not None:
-                    break
+                if steps and max(steps) >= at:
+                    victim = current_pids(output()).get(group)
+                    stale = {victim, *children(victim)} if victim is not None else set()  # its processes before
+                    if (pid := inject(fault, victim, job.args.nproc_per_node)) is not None:
+                        break
                 time.sleep(0.01)
             hit = max(s for g, d in dirs.items() if g != group and (s := step_of(d)) is not None)
             t = time.monotonic() - start
-            faults.append({"kind": fault.kind, "group": group, "pid": pid, "t": t, "step": hit, "last": (hit, t),
+            faults.append({"kind": fault.kind, "group": group, "pid": pid, "stale": stale, "t": t, "step": hit,
+                           "last": (hit, t),
                            "starts": len(starts(output())), "stall": 0.0, "back": None, "during": None,
                            "restarts": None})  # fmt: skip
             while faults[-1]["back"] is None:  # the next fault only once this one's group is back

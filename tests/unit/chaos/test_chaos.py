@@ -3,6 +3,12 @@ runs under faults: ``tests/system/test_chaos.py``."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -223,7 +229,8 @@ def test_deterministic_reads_the_run_s_saved_config(tmp_path: Path) -> None:
 
 
 def test_torchft_runs_under_its_launcher_with_the_calibrated_comparison(tmp_path: Path) -> None:
-    """``--launcher torchft``: ``python -m lit_ddp.ft.launch`` with R groups, each group's restarts, the fit's
+    """``--launcher torchft``: ``python -m lit_ddp.ft.launch`` with R groups (of one process unless
+    ``--nproc_per_node`` says otherwise), each group's restarts, the fit's
     arguments after ``--`` (a leading ``fit`` as the launcher takes them), no run directory of the tool's (the
     launcher gives each group ``<root>/group_<i>``); ``kill`` by default, compared by ``--calibrated 3``."""
     argv = ["--launcher", "torchft", "--replica_groups", "3", "--faults", "2", "--heartbeat_timeout_ms", "1000",
@@ -232,9 +239,10 @@ def test_torchft_runs_under_its_launcher_with_the_calibrated_comparison(tmp_path
     assert fit == ["--config", "configs/trainer/torchft.yaml"]
     assert args.kinds == ["kill"] and args.calibrated == 3.0 and args.max_restarts == 2
     cmd = Job(args, fit, tmp_path / "faulted", faulted=True).cmd
-    assert cmd[1:11] == ["-m", "lit_ddp.ft.launch", "--replica_groups", "3", "--root", str(tmp_path / "faulted"),
-                         "--max_restarts", "2", "--heartbeat_timeout_ms", "1000"]  # fmt: skip
-    assert cmd[11:15] == ["--", "fit", "--config", "configs/trainer/torchft.yaml"]
+    assert cmd[1:13] == ["-m", "lit_ddp.ft.launch", "--replica_groups", "3", "--nproc_per_group", "1",
+                         "--root", str(tmp_path / "faulted"), "--max_restarts", "2",
+                         "--heartbeat_timeout_ms", "1000"]  # fmt: skip
+    assert cmd[13:17] == ["--", "fit", "--config", "configs/trainer/torchft.yaml"]
     assert "--trainer.default_root_dir" not in cmd
 
 
@@ -258,3 +266,50 @@ def test_the_torchft_table_reads_the_launcher_s_lines(capsys: pytest.CaptureFixt
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert rows == [["1", "kill", "group_1", "pid", "11", "8.2", "180", "0", "2.0", "44", "3.7"],
                     ["2", "node", "group_1", "pid", "11", "8.2", "180", "1", "2.0", "220", "-"]]  # fmt: skip
+
+
+def test_processes_per_node_default_to_one_per_torchft_group_and_two_elsewhere() -> None:
+    for launcher, nproc in (("torchft", 1), ("torchrun", 2), ("single", 2)):
+        args, _ = check(chaos_parser().parse_args(["--launcher", launcher, *FIT]))
+        assert args.nproc_per_node == nproc, launcher
+
+
+def test_a_kill_in_a_group_of_several_processes_hits_its_torchrun_s_worker_of_the_highest_rank() -> None:
+    """``kill`` under a torchft group of 2 processes SIGKILLs the agent's child whose RANK is 1, not the agent nor
+    rank 0; ``node`` SIGKILLs the agent and both; a group whose workers are not all up is not hit yet."""
+    from lit_ddp.chaos.job import children, rank_of
+    from lit_ddp.chaos.replica_groups import inject
+
+    def running(pid: int) -> bool:  # a killed child stays a zombie until the fake agent, asleep, would reap it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    spawn = (
+        "import os, subprocess, sys, time\n"
+        "time.sleep(0.5)\n"  # the workers come a moment after the agent, as torchrun's do
+        "workers = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " env=dict(os.environ, RANK=str(r))) for r in range(2)]\n"
+        "time.sleep(60)\n"
+    )
+    for kind in ("kill", "node"):
+        agent = subprocess.Popen([sys.executable, "-c", spawn], start_new_session=True)
+        try:
+            assert kind == "node" or inject(Fault(kind, 0.0, 0.0), agent.pid, nproc=2) is None
+            deadline = time.monotonic() + 30
+            while len(workers := children(agent.pid)) < 2 or 1 not in map(rank_of, workers):
+                assert time.monotonic() < deadline, "the fake torchrun's workers did not start"
+                time.sleep(0.05)
+            by_rank = {rank_of(pid): pid for pid in workers}
+            hit = inject(Fault(kind, 0.0, 0.0), agent.pid, nproc=2)
+            time.sleep(0.5)
+            if kind == "kill":
+                assert hit == by_rank[1] and not running(by_rank[1])
+                assert running(agent.pid) and running(by_rank[0])
+            else:
+                assert hit == agent.pid and not any(running(pid) for pid in (agent.pid, *by_rank.values()))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(timeout=10)
