@@ -1,5 +1,6 @@
 """torchft under Slurm on two nodes (``slurm/local_cluster.sh start --nodes 2``): ``slurm/train_torchft.sbatch``, one
-replica group per node, torchft's lighthouse on the first node; one node's group SIGKILLed mid-training.
+replica group per node (one process, or ``NPROC_PER_GROUP=2``: a torchrun job of two), torchft's lighthouse on the
+first node; one node's group SIGKILLed mid-training (a group of two: its rank 0, which ends its torchrun).
 
 Each group's steps come from its trace (tests.callbacks.StepTrace: time, process id, global step); which node and
 Slurm step a process ran in comes from Slurm (``squeue --steps`` and ``scontrol listpids``), not from the program's
@@ -59,10 +60,12 @@ def final_parameters(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.timeout(150)
-def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_path: Path) -> None:
-    """group_1's process (on the second node) is SIGKILLed while both groups train: the first node's group keeps its
-    process and steps on alone; the script starts group_1 again on its node, as a new Slurm step, and it heals from
-    group_0; both end at max_steps with bit-identical parameters, and the job COMPLETED."""
+@pytest.mark.parametrize("nproc", [1, 2], ids=["groups of 1 process", "groups of 2 processes"])
+def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_path: Path, nproc: int) -> None:
+    """group_1's process (on the second node; a group of two: its rank 0) is SIGKILLed while both groups train: the
+    first node's group keeps its processes and steps on alone; the script starts group_1 again on its node, as a new
+    Slurm step, and it heals from group_0; both end at max_steps with bit-identical parameters, and the job
+    COMPLETED."""
     require_cluster(2)
     trace, out = tmp_path / "trace", tmp_path / "job.out"
     # group_1 slower: at the kill group_0 waits for it in the all-reduce (as tests/system/test_torchft.py). Alone,
@@ -82,7 +85,8 @@ def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_pat
         # A 1 s heartbeat timeout: group_0 gives group_1 up (and trains alone) before its restart is back.
         job = sbatch(
             "slurm/train_torchft.sbatch", args, ["-J", f"ft-{uuid.uuid4().hex[:8]}", "-o", str(out), "--nodes", "2",
-            "--time", "5"], MAX_RESTARTS="1", HEARTBEAT_TIMEOUT_MS="1000", RUST_LOG="warn",
+            "--time", "5", "--cpus-per-task", str(nproc)], MAX_RESTARTS="1", HEARTBEAT_TIMEOUT_MS="1000",
+            RUST_LOG="warn", NPROC_PER_GROUP=str(nproc),
         )  # fmt: skip
         deadline = time.monotonic() + 90
         while not (len(steps(trace, "group_0")) >= 20 and len(steps(trace, "group_1")) >= 20):
@@ -123,13 +127,16 @@ def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_pat
 
     survivor, victim = steps(trace, "group_0"), steps(trace, "group_1")
     assert {pid for _, pid, _ in survivor} == {survivor_pid}, "the survivor's process was restarted"
+    if nproc > 1:  # group_0's rank 1 too; group_1's: stepped again in the restarted step
+        assert len({pid for _, pid, _ in steps(trace, "group_0.rank1")}) == 1, "the survivor's rank 1 was restarted"
+        assert where[steps(trace, "group_1.rank1")[-1][1]] == where[new_pid], "group_1's rank 1 not restarted with it"
     back_at, _, back_step = next(row for row in victim if row[1] == new_pid)
     before = max(step for t, _, step in survivor if t <= killed_at)
     during = [step for t, _, step in survivor if killed_at < t < back_at]
     gaps = [b[0] - a[0] for a, b in zip(survivor, survivor[1:], strict=False) if a[0] >= killed_at - 1]
     together = next((t for t, _, step in survivor if step == back_step), float("nan"))  # group_0's row of that step
     print(
-        f"\ntorchft under Slurm: group_1 (node {nodes[1]}, step {where[victim_pid][0]}) killed at group_0's step "
+        f"\ntorchft under Slurm, groups of {nproc} process(es): group_1 (node {nodes[1]}, step {where[victim_pid][0]}) killed at group_0's step "
         f"{before}; group_0 (node {nodes[0]}) made {len(during)} steps ({before} -> {max(during, default=before)}) "
         f"during the outage, its longest pause {max(gaps):.2f} s; group_1 restarted as step {where[new_pid][0]} on "
         f"{nodes[1]} and stepped again with group_0 {back_at - killed_at:.2f} s after the kill, at step {back_step} "
@@ -142,3 +149,28 @@ def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_pat
     assert step_0 == step_1 == MAX_STEPS
     assert params_0.keys() == params_1.keys()
     assert all(torch.equal(params_0[k], params_1[k]) for k in params_0), "the groups' final parameters differ"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("nproc", [1, 2], ids=["groups of 1 process", "groups of 2 processes"])
+def test_a_group_refusing_its_config_is_not_restarted(tmp_path: Path, nproc: int) -> None:
+    """A bad option makes each group exit for bad use (a group of two under torchrun, whose status is 1, too: the
+    task's shell reads the worker's bad-use file); the script restarts neither, and the job FAILED with 2."""
+    require_cluster(2)
+    out = tmp_path / "job.out"
+    args = [config("regression/single_device"), "--trainer.max_steps", "many",
+            "--trainer.default_root_dir", str(tmp_path / "runs")]  # fmt: skip
+    job = None
+    try:
+        job = sbatch(
+            "slurm/train_torchft.sbatch", args, ["-J", f"ft-{uuid.uuid4().hex[:8]}", "-o", str(out), "--nodes", "2",
+            "--time", "3", "--cpus-per-task", str(nproc)], MAX_RESTARTS="1", RUST_LOG="warn",
+            NPROC_PER_GROUP=str(nproc),
+        )  # fmt: skip
+        info = wait_job_done(job, timeout=75, output=out)
+    finally:
+        cancel(job)
+    log = out.read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), f"{info['ExitCode']}:\n{log[-3000:]}"
+    assert log.count("(bad use): not restarted") == 2 and "restart 1 of 1" not in log, log[-3000:]
+    assert log.count("Got value: many") == 2 * nproc, log[-3000:]  # each process's config parser
