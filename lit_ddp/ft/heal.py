@@ -6,7 +6,8 @@ Lightning fit: the training state a resume from disk restores (module, optimizer
 and the train loaders', RNG streams, metric sums; :class:`lit_ddp.resilience.restore.ResumeState`'s helpers for the
 last two), taken live, put back at one point, at the start of the step the groups then take together. The heal
 arrives inside the healing group's step, after its loop fetched a batch from its own position: the loaders are set
-to the start of the peer's batch and the step trains this group's share of it (:mod:`lit_ddp.ft.data`).
+to the start of the peer's batch and the step trains this group's share of it (:mod:`lit_ddp.ft.data`). Then the
+restore check of a resume compares what was put back with what the peer sent (:mod:`lit_ddp.resilience.restore_check`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lit_ddp import compat
+from lit_ddp.errors import RestoreMismatchError
 from lit_ddp.ft.data import BatchStart
-from lit_ddp.resilience import restore
+from lit_ddp.resilience import restore, restore_check
 
 
 class PeerState:
@@ -56,7 +58,12 @@ class PeerState:
         """Puts a peer's :meth:`state_dict` into this fit, at the start of a step (before its forward): module,
         optimizers, schedulers, the loop's step, epoch and batch counts, the train loaders at the start of the peer's
         batch and this group's share of it read (:meth:`take_batch`), the metrics' running sums, then the RNG
-        streams (last: reading the batch may draw from them)."""
+        streams (last: reading the batch may draw from them); then the restore check.
+
+        Raises:
+            RestoreMismatchError: the global step, a scheduler, the RNG streams, a parameter or an optimizer's state
+                put back differs from the peer's, bit for bit (a loading bug, a hook that edits the state).
+        """
         trainer = self.trainer
         module = trainer.lightning_module
         module.load_state_dict(state["module"])
@@ -70,6 +77,28 @@ class PeerState:
         if state["metrics"]:
             restore.restore_metric_states(module, state["metrics"])
         restore.restore_rng(state["rng"], trainer.strategy.root_device, trainer.local_rank)
+        self.check(state)
+
+    def check(self, state: dict[str, Any]) -> None:
+        """The restore check of a heal, on this process: ``state`` (the peer's) against the live state. Not
+        collective: a group's processes heal at the same step, and a mismatch ends the process that found it, which
+        its group's launcher starts again."""
+        trainer = self.trainer
+        module = trainer.lightning_module
+        sent = {
+            "global_step": int(state["loop"]["optimizer_steps"]),
+            "lr_schedulers": state["schedulers"],
+            "state_dict": state["module"],
+            "optimizer_states": state["optimizers"],
+        }
+        tensors = restore_check.plain_tensors(module)
+        promised = restore_check.promised(sent, state["rng"], tensors=tensors)
+        live = restore_check.restored(trainer, module, restore.capture_rng(trainer.strategy.root_device), tensors)
+        if (name := restore_check.first_mismatch(promised, live)) is not None:
+            raise RestoreMismatchError(
+                f"torchft heal: the state put back differs from the one a peer group sent, first at {name} "
+                f"(rank {trainer.global_rank}): the load went wrong or something changed the state; nothing was trained"
+            )
 
     def take_batch(self) -> tuple[Any, int] | None:
         """The batch a heal read for the step under way and its index in the epoch (None where this step did not

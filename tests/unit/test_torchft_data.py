@@ -264,3 +264,37 @@ def test_a_group_resumed_from_disk_waits_for_every_group_then_for_no_longer_than
     waited = time.monotonic() - started
     assert waited >= 0.6 and strategy.manager.calls >= 3  # it asked again for the whole timeout
     assert waited < 10  # then went on: 0.6 s and one retry's 0.2 s, with room for a machine 3x slower and more
+
+
+class EditsOnLoad(Indices):
+    """A module whose ``load_state_dict`` changes a weight after loading (as a buggy hook would)."""
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().load_state_dict(*args, **kwargs)
+        with torch.no_grad():
+            self.layer.weight.add_(1.0)
+        return out
+
+
+def test_a_heal_that_puts_back_another_state_than_the_peers_stops_before_training(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The restore check of a heal: the state put back is compared with the one the peer sent, bit for bit; a
+    difference stops the group with one message naming the first entry, before the step trains."""
+    from lit_ddp.errors import RestoreMismatchError
+
+    taken: dict[str, Any] = {}
+
+    def take(call: int, peer_state: Any) -> None:
+        if call == 3:
+            taken.update(transported(peer_state.state_dict()))
+
+    fit(monkeypatch, 0, max_steps=3, on_quorum=take)
+
+    def heal(call: int, peer_state: Any) -> None:
+        if call == 1:
+            peer_state.load_state_dict(taken)
+
+    with pytest.raises(RestoreMismatchError, match=r"torchft heal: .* first at parameters/layer\.weight") as e:
+        fit(monkeypatch, 1, max_steps=5, on_quorum=heal, module_class=EditsOnLoad)
+    assert "\n" not in str(e.value)
