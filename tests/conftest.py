@@ -1,6 +1,6 @@
 """Fixtures shared by the tests: the packaged Tiny Shakespeare as a local file, a runner of subprocesses that
 leaves no process behind, the recorder callbacks' YAML fragments, and the seed of a random test (printed, and
-replayed from ``$LIT_DDP_TEST_SEED``).
+replayed from ``$LIT_DDP_TEST_SEED``); every test gets ``os.environ`` back as it found it.
 
 Hooks: a test's place says what it is (``tests/unit``: no ``slow`` / ``multiprocess`` / ``slurm`` marker;
 ``tests/system``: at least one), checked at collection; under pytest-xdist the Slurm tests form one group, and
@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -35,6 +36,16 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     helpers.ONE_THREAD_PER_PROCESS = True
+
+
+@pytest.fixture(autouse=True)
+def restored_environment() -> Iterator[None]:
+    """Each test leaves ``os.environ`` as it found it: Lightning's DDP launcher sets ``LOCAL_RANK``, ``NODE_RANK``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` in the process that fits, and a later in-process fit then took itself for a
+    process Lightning had started (no run-directory lock: ``tests/unit/test_cli.py::test_fit_holds_the_run_directory``
+    failed after a TorchFTStrategy fit in the same worker)."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 @pytest.fixture(scope="session")

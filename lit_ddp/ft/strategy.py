@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lit_ddp import compat
@@ -120,7 +120,10 @@ class TorchFTStrategy(DDPStrategy):
         connect_timeout: timedelta = timedelta(seconds=10),
     ) -> None:
         require_torchft()
-        super().__init__(timeout=timeout)
+        # W > 1: the groups all-reduce DDP's flat buckets, so every group's must hold the same gradients in the same
+        # order; DDP re-orders its buckets after its first backward, which a group that joins later would do steps
+        # after the others, unless it looks for unused parameters (as torchft's own DDP wrapper does).
+        super().__init__(timeout=timeout, find_unused_parameters=True)
         self.lighthouse = lighthouse
         self.replica_id = replica_id
         self.replica_groups = replica_groups
@@ -154,23 +157,15 @@ class TorchFTStrategy(DDPStrategy):
             self.share = (self.groups * self.world_size, index * self.world_size + self.global_rank)
             self.peer_state = PeerState(trainer, self.batch_start)
             self.manager = self._manager(trainer)
-        super().setup(trainer)  # wraps the model (_setup_model)
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        """In a fit, the module wrapped so that its backward averages each gradient across the quorum's groups: one
-        process, torchft's DDP (:func:`lit_ddp.compat.fault_tolerant_ddp`); W, DDP over the group's processes with a
-        hook that averages over them, then across the quorum (:func:`group_then_quorum`)."""
-        if self.manager is None:
-            return super()._setup_model(model)
-        if self.one_process:
-            return compat.fault_tolerant_ddp(self.manager, model)
-        # The groups all-reduce DDP's flat buckets, so every group's must hold the same gradients in the same order;
-        # DDP re-orders its buckets after its first backward, which a group that joins later would do steps after the
-        # others, unless it looks for unused parameters (as torchft's own DDP wrapper does).
-        self._ddp_kwargs["find_unused_parameters"] = True
-        ddp = super()._setup_model(model)
-        ddp.register_comm_hook((self.manager, self.world_size), group_then_quorum)
-        return ddp
+        super().setup(trainer)
+        # In a fit, the backward averages each gradient across the quorum's groups: one process, in torchft's DDP
+        # (compat.fault_tolerant_ddp); W, in the hook of the DDP over the group's processes (group_then_quorum).
+        if self.manager is not None:
+            if self.one_process:
+                self.model = compat.fault_tolerant_ddp(self.manager, self.model)
+            else:
+                assert isinstance(self.model, DistributedDataParallel)
+                self.model.register_comm_hook((self.manager, self.world_size), group_then_quorum)
 
     def _manager(self, trainer: Trainer) -> Any:
         """torchft's manager of this process: the group's store (:meth:`_group_store`), gloo across the groups, the
