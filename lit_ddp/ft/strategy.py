@@ -161,6 +161,7 @@ class TorchFTStrategy(DDPStrategy):
         # In a fit, the backward averages each gradient across the quorum's groups: one process, in torchft's DDP
         # (compat.fault_tolerant_ddp); W, in the hook of the DDP over the group's processes (group_then_quorum).
         if self.manager is not None:
+            assert self.model is not None
             if self.one_process:
                 self.model = compat.fault_tolerant_ddp(self.manager, self.model)
             else:
