@@ -17,11 +17,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.callbacks import StepTrace
 from tests.helpers import callback, config, write_callbacks_config
 from tests.system.helpers_slurm import cancel, hostnames, job_info, require_cluster, sbatch, wait_job_done
+from tests.system.test_torchft import same_final_parameters
 
 pytest.importorskip("torchft")
 
@@ -52,11 +52,6 @@ def job_processes(job: str) -> dict[int, tuple[str, str]]:
             if row.split() and row.split()[0].isdigit():
                 found[int(row.split()[0])] = (step, node)
     return found
-
-
-def final_parameters(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
-    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    return ckpt["global_step"], ckpt["state_dict"]
 
 
 @pytest.mark.timeout(150)
@@ -145,10 +140,7 @@ def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_pat
     assert during and max(during) > before, "the survivor did not step during the outage"
     assert back_step > before, "the restarted group did not heal to the survivor's step"
 
-    (step_0, params_0), (step_1, params_1) = (final_parameters(tmp_path / "runs" / g) for g in ("group_0", "group_1"))
-    assert step_0 == step_1 == MAX_STEPS
-    assert params_0.keys() == params_1.keys()
-    assert all(torch.equal(params_0[k], params_1[k]) for k in params_0), "the groups' final parameters differ"
+    same_final_parameters(tmp_path, MAX_STEPS)
 
 
 @pytest.mark.timeout(90)

@@ -85,8 +85,42 @@ def expected_share(step: int, group: int, groups: int = 2) -> tuple[int, list[in
 
 
 def final_parameters(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
-    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     return ckpt["global_step"], ckpt["state_dict"]
+
+
+def outage(
+    victim: str,
+    survivor: list[tuple[float, int, int]],
+    hit: list[tuple[float, int, int]],
+    hit_pid: int,
+    killed_at: float,
+) -> tuple[list[tuple[float, int, int]], int]:
+    """Prints and checks what a kill at ``killed_at`` of the process ``hit_pid`` cost: the survivor's steps during the
+    outage (some, past the step at the kill) and its longest pause, and when and at which step the hit group stepped
+    again (past that step: it healed to the survivor's). Returns the hit group's rows after the kill and that step."""
+    back = [row for row in hit if row[1] != hit_pid]
+    assert back, "group_1 never stepped again"
+    back_at, _, back_step = back[0]
+    during = [step for t, _, step in survivor if killed_at < t < back_at]
+    before = max(step for t, _, step in survivor if t <= killed_at)
+    gaps = [b[0] - a[0] for a, b in zip(survivor, survivor[1:], strict=False) if a[0] >= killed_at - 1]
+    print(
+        f"\n{victim} killed at survivor step {before}; the survivor made {len(during)} steps "
+        f"({before} -> {max(during, default=before)}) during the outage, its longest pause {max(gaps):.2f} s; "
+        f"group_1 stepped again {back_at - killed_at:.2f} s after the kill, at step {back_step}"
+    )
+    assert len(during) > 0 and max(during) > before, "the survivor did not step during the outage"
+    assert back_step > before, "the restarted group did not heal to the survivor's step"
+    return back, back_step
+
+
+def same_final_parameters(root: Path, max_steps: int) -> None:
+    """Both groups' last checkpoints under ``root/runs`` at ``max_steps``, their parameters equal bit for bit."""
+    (step_0, params_0), (step_1, params_1) = (final_parameters(root / "runs" / g) for g in ("group_0", "group_1"))
+    assert step_0 == step_1 == max_steps
+    assert params_0.keys() == params_1.keys()
+    assert all(torch.equal(params_0[k], params_1[k]) for k in params_0), "the groups' final parameters differ"
 
 
 @pytest.mark.timeout(150)
@@ -119,24 +153,8 @@ def test_a_killed_group_stops_no_one_and_heals_from_its_peer(tmp_path: Path) -> 
 
     survivor, victim = steps(trace, "group_0"), steps(trace, "group_1")
     assert {pid for _, pid, _ in survivor} == {survivor_pid}, "the survivor's process was restarted"
-    back = [row for row in victim if row[1] != victim_pid]
-    assert back, "group_1 never stepped again"
-    back_at, _, back_step = back[0]
-    during = [step for t, _, step in survivor if killed_at < t < back_at]
-    before = max(step for t, _, step in survivor if t <= killed_at)
-    gaps = [b[0] - a[0] for a, b in zip(survivor, survivor[1:], strict=False) if a[0] >= killed_at - 1]
-    print(
-        f"\ntorchft: group_1 killed at survivor step {before}; the survivor made {len(during)} steps "
-        f"({before} -> {max(during, default=before)}) during the outage, its longest pause {max(gaps):.2f} s; "
-        f"group_1 stepped again {back_at - killed_at:.2f} s after the kill, at step {back_step}"
-    )
-    assert len(during) > 0 and max(during) > before, "the survivor did not step during the outage"
-    assert back_step > before, "the restarted group did not heal to the survivor's step"
-
-    (step_0, params_0), (step_1, params_1) = (final_parameters(tmp_path / "runs" / g) for g in ("group_0", "group_1"))
-    assert step_0 == step_1 == 150
-    assert params_0.keys() == params_1.keys()
-    assert all(torch.equal(params_0[k], params_1[k]) for k in params_0), "the groups' final parameters differ"
+    back, back_step = outage("torchft: group_1", survivor, victim, victim_pid, killed_at)
+    same_final_parameters(tmp_path, 150)
 
     shares = {g: committed(trace, f"group_{g}") for g in (0, 1)}
     print(f"sampler seed {DEFAULT_SEED} (the CLI's)")
@@ -219,24 +237,10 @@ def test_groups_of_two_processes_a_lost_worker_or_group_stops_no_other_group(tmp
     assert {pid for r in (0, 1) for _, pid, _ in steps(trace, ranks[0, r])} == survivor_pids, (
         "a survivor's process was restarted"
     )
-    survivor, victim = steps(trace, ranks[0, 0]), steps(trace, ranks[1, 1])
-    back = [row for row in victim if row[1] != victim_pid]
-    assert back, "group_1 never stepped again"
-    back_at, _, back_step = back[0]
-    during = [step for t, _, step in survivor if killed_at < t < back_at]
-    before = max(step for t, _, step in survivor if t <= killed_at)
-    print(
-        f"\ntorchft, 2 groups x 2 processes, group_1's {'rank 1' if lost == 'worker' else 'torchrun and processes'} "
-        f"killed at survivor step {before}; group_0 made "
-        f"{len(during)} steps ({before} -> {max(during, default=before)}) during the outage; group_1 stepped again "
-        f"{back_at - killed_at:.2f} s after the kill, at step {back_step}"
-    )
-    assert len(during) > 0 and max(during) > before, "the survivors did not step during the outage"
-    assert back_step > before, "the restarted group did not heal to the survivors' step"
-
-    (step_0, params_0), (step_1, params_1) = (final_parameters(tmp_path / "runs" / g) for g in ("group_0", "group_1"))
-    assert step_0 == step_1 == MAX_STEPS_2X2
-    assert all(torch.equal(params_0[k], params_1[k]) for k in params_0), "the groups' final parameters differ"
+    victim = f"group_1's {'rank 1' if lost == 'worker' else 'torchrun and processes'}"
+    outage(f"torchft, 2 groups x 2 processes: {victim}", steps(trace, ranks[0, 0]), steps(trace, ranks[1, 1]),
+           victim_pid, killed_at)  # fmt: skip
+    same_final_parameters(tmp_path, MAX_STEPS_2X2)
 
     print(f"sampler seed {DEFAULT_SEED} (the CLI's)")
     for (g, r), name in ranks.items():
