@@ -12,8 +12,8 @@ exited for bad use, a bad command or config) and rejoins the quorum from a live 
 meanwhile. A torchrun group's dead worker ends its torchrun (``--max_restarts 0``), which the launcher starts
 again: torchrun's own restart would start a bad config again too (it restarts on any failure and reports every one
 with status 1), while the launcher learns of bad use from ``$LIT_DDP_BAD_USE_FILE``, which a worker exiting for it
-creates. The price, measured here after a worker's SIGKILL: the group back 11.7 to 12.1 s after it, against 9.4 and
-10.7 s with torchrun's own restart (a new torchrun's start-up). Ends when every group has ended: status 0 when all
+creates. The price, measured here after a worker's SIGKILL: the group back 11.7 to 12.1 s after it, against 5.2 to
+10.7 s with torchrun's own restart (a new torchrun's start-up, and its monitor's notice). Ends when every group has ended: status 0 when all
 finished, else the first failure's (2 for bad use).
 """
 
