@@ -97,7 +97,9 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
         """The group's committed step, as its rank zero last told it; None where that process is not ``pid``, the
         group's process the launcher started (or, a torchrun group, one of its workers)."""
         now = job.progress(group_dir)
-        return None if now is None or (pid is not None and pid not in (now[2], parent(now[2]))) else now[1]
+        if now is None or (pid is not None and now[2] != pid and parent(now[2]) != pid):
+            return None
+        return now[1]
 
     def watch() -> None:
         """Notes, for each fault whose group is not back yet, the survivors' pauses and steps and the group's return."""

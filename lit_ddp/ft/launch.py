@@ -13,8 +13,8 @@ meanwhile. A torchrun group's dead worker ends its torchrun (``--max_restarts 0`
 again: torchrun's own restart would start a bad config again too (it restarts on any failure and reports every one
 with status 1), while the launcher learns of bad use from ``$LIT_DDP_BAD_USE_FILE``, which a worker exiting for it
 creates. The price, measured here after a worker's SIGKILL: the group back 11.7 to 12.1 s after it, against 5.2 to
-10.7 s with torchrun's own restart (a new torchrun's start-up, and its monitor's notice). Ends when every group has ended: status 0 when all
-finished, else the first failure's (2 for bad use).
+10.7 s with torchrun's own restart (a new torchrun's start-up, and its monitor's notice). Ends when every group has
+ended: status 0 when all finished, else the first failure's (2 for bad use).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="a group silent this long is out of the quorum: about what a dead group costs the others",
     )
     parser.add_argument(
-        "--max_restarts", type=int, default=3, help="restarts of each group (and, W > 1, its torchrun's)"
+        "--max_restarts", type=int, default=3, help="restarts of each group (W > 1: of its torchrun job)"
     )
     args = parser.parse_args(own)
     if args.replica_groups < 1 or args.nproc_per_group < 1 or not command:

@@ -5,17 +5,17 @@ lit_ddp.ft.launch --nproc_per_group W``). Each gradient is averaged over the gro
 quorum's groups, rank ``r`` of each group with rank ``r`` of the others (torchft's manager, one per process); rank
 ``r`` of a healing group takes the state of rank ``r`` of a live peer.
 
-At each optimizer step it (1) asks torchft's manager for the step's quorum, healing from a live peer where the
-quorum says so (:class:`lit_ddp.ft.heal.PeerState`, before the forward); (2) runs Lightning's closure (forward,
+At each optimizer step it (1) asks torchft's manager for the step's quorum, healing from a live peer where the quorum
+says so (:class:`lit_ddp.ft.heal.PeerState`, before the forward); (2) runs Lightning's closure (forward,
 ``zero_grad``, backward), whose backward averages the gradients across the quorum's groups in torchft's DDP hook
-(:func:`lit_ddp.compat.fault_tolerant_ddp`; W processes: :func:`group_then_quorum`); (3) steps the optimizer only where ``should_commit()`` says the whole
-quorum's all-reduce succeeded. A discarded step is not counted: ``trainer.global_step`` and the logger's step stay
-where they were, so that ``global_step`` is torchft's committed step count, and its batch is read again at the next
-step. Group ``i`` of ``R`` trains share ``i`` of each global batch of the one global order, rank ``r`` of its W
-processes the ``r``-th part of that share (:mod:`lit_ddp.ft.data`: the train loader's ``GlobalOrderSampler`` is made
-reader ``i x W + r`` of ``R x W``). Lightning's automatic optimization passes the closure; torchft's
-``OptimizerWrapper`` takes none: the strategy runs the closure itself and hands the optimizer a closure that returns
-its loss.
+(:func:`lit_ddp.compat.fault_tolerant_ddp`; W processes: :func:`group_then_quorum`); (3) steps the optimizer only
+where ``should_commit()`` says the whole quorum's all-reduce succeeded. A discarded step is not counted:
+``trainer.global_step`` and the logger's step stay where they were, so that ``global_step`` is torchft's committed
+step count, and its batch is read again at the next step. Group ``i`` of ``R`` trains share ``i`` of each global batch
+of the one global order, rank ``r`` of its W processes the ``r``-th part of that share (:mod:`lit_ddp.ft.data`: the
+train loader's ``GlobalOrderSampler`` is made reader ``i x W + r`` of ``R x W``). Lightning's automatic optimization
+passes the closure; torchft's ``OptimizerWrapper`` takes none: the strategy runs the closure itself and hands the
+optimizer a closure that returns its loss.
 
 Every group lost: each resumes from its own run directory's newest checkpoint (the usual automatic resume). torchft's
 manager counts the committed steps too (``Manager.current_step``), and a quorum heals every group from one whose count
