@@ -52,7 +52,7 @@ from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path,
 from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
 from lit_ddp.launch.text_check import check_text_data
 from lit_ddp.launch.variables import check_launch_variables
-from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO, is_inside, not_writable_error, refused_write
+from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO, confine, is_inside, not_writable_error, refused_write
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
@@ -297,6 +297,8 @@ class LitDDPCLI(LightningCLI):
             kwargs["enable_model_summary"] = False
         kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
+        # Checkpoints removed only inside the run; loaded only where they fit the model (untrusted input).
+        confine(trainer.strategy.checkpoint_io, str(trainer_config["default_root_dir"]), self.model)
         set_float32_matmul_precision(self.option(self.config, "float32_matmul_precision"), trainer.accelerator)
         return trainer
 

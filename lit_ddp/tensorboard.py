@@ -7,6 +7,7 @@ together.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from argparse import Namespace
@@ -72,14 +73,29 @@ class HParamsTensorBoardLogger(TensorBoardLogger):
         super().save()
 
 
+def event_accumulator(run_dir: str | Path, size_guidance: dict[str, int] | None = None) -> EventAccumulator:
+    """tensorboard's ``EventAccumulator`` over the event files of ``run_dir``, loaded, once each is known to be a
+    regular file (a FIFO planted among them would block the reader forever; a link is not followed).
+
+    Raises:
+        UntrustedFileError: an event file is not a regular file.
+    """
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(run_dir):
+            if "tfevents" in entry.name:
+                untrusted.refuse_irregular(entry.path, "TensorBoard event file", follow=False)
+    accumulator = EventAccumulator(str(run_dir), **({} if size_guidance is None else {"size_guidance": size_guidance}))
+    accumulator.Reload()
+    return accumulator
+
+
 def read_scalars(run_dir: str | Path, tag: str) -> list[tuple[int, float]]:
     """All ``(step, value)`` points of scalar ``tag`` (e.g. ``"val/loss"``) in ``run_dir``, by step.
 
     Raises:
         KeyError: ``tag`` was never logged in ``run_dir``; the message lists the tags that were.
     """
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = event_accumulator(run_dir, {"scalars": 0})
     tags = acc.Tags().get("scalars", [])
     if tag not in tags:
         raise KeyError(f"scalar {tag!r} not logged in {run_dir}; logged: {sorted(tags)}")
@@ -88,16 +104,14 @@ def read_scalars(run_dir: str | Path, tag: str) -> list[tuple[int, float]]:
 
 def tags_logged_at(run_dir: str | Path, step: int, tags: list[str]) -> set[str]:
     """Which of the scalar ``tags`` have a point at ``step`` in ``run_dir`` (after TensorBoard's purges)."""
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = event_accumulator(run_dir, {"scalars": 0})
     known = set(acc.Tags().get("scalars", []))
     return {tag for tag in tags if tag in known and any(e.step == step for e in acc.Scalars(tag))}
 
 
 def scalar_tags(run_dir: str | Path) -> list[str]:
     """The scalar tags logged in ``run_dir``."""
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = event_accumulator(run_dir, {"scalars": 0})
     return sorted(acc.Tags().get("scalars", []))
 
 
@@ -108,8 +122,7 @@ def read_text(run_dir: str | Path, tag: str = "samples") -> list[tuple[int, str]
     Raises:
         KeyError: ``tag`` was never logged as text in ``run_dir``; the message lists the tensor tags that were.
     """
-    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
-    acc.Reload()
+    acc = event_accumulator(run_dir, {"tensors": 0})
     name = f"{tag}/text_summary"  # the tag torch's add_text writes under
     tags = acc.Tags().get("tensors", [])
     if name not in tags:
@@ -127,8 +140,7 @@ def read_hparams(run_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
     """
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    acc = EventAccumulator(str(run_dir))
-    acc.Reload()
+    acc = event_accumulator(run_dir)
     try:
         content = acc.PluginTagToContent("hparams")
     except KeyError:

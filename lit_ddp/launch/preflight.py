@@ -198,8 +198,8 @@ def check_trainer(
     one process's cores is the launcher's layout, not a typo.
 
     Raises:
-        UsageError: a GPU accelerator where torch sees no CUDA GPU, more CPU processes than cores (Lightning to
-            start them), or ``16-mixed`` / ``16`` precision on CPU.
+        UsageError: a GPU accelerator where torch sees no CUDA GPU, fewer than one or more CPU processes than
+            cores (Lightning to start them), or ``16-mixed`` / ``16`` precision on CPU.
     """
     if trainer is None:
         return
@@ -221,6 +221,13 @@ def check_trainer(
     # torchrun or srun started the processes already, each perhaps bound to fewer cores than the node's
     # devices (srun --cpu-bind=cores -c 1): their number is the launcher's, not a typo.
     launched = "TORCHELASTIC_RUN_ID" in env or "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and devices < 1:  # -1, "every GPU", has no meaning on CPU
+        raise UsageError(
+            f"trainer.devices={devices}: on CPU each device is one process; give a number >= 1 (at most "
+            f"{cpu_count} here), or auto"
+        )
     if isinstance(devices, int) and devices > cpu_count and not launched:
         raise UsageError(
             f"trainer.devices={devices} but this process may use {cpu_count} CPU core(s): on CPU each device is one "
@@ -302,7 +309,8 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
 
     Raises:
         UsageError: the file does not exist, or is truncated / not a torch checkpoint.
-        UntrustedFileError: a URL, or a sharded checkpoint whose metadata holds more than its own classes.
+        UntrustedFileError: a URL, not a regular file, a file holding more than tensors and plain data (or more than
+            this machine can hold), or a sharded checkpoint whose metadata holds more than its own classes.
     """
     if ckpt_path is None or ckpt_path in layout.CKPT_PATH_KEYWORDS:
         return
@@ -319,6 +327,10 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
             f"--ckpt_path {ckpt_path} is truncated or not a checkpoint (not a complete torch.save archive, nor a "
             "sharded checkpoint's directory with all its shards); pick another .ckpt from the run's checkpoints/ directory"
         )
+    if "://" not in str(ckpt_path) and os.path.isfile(ckpt_path):
+        # LightningCLI loads a file's hyperparameters right after parsing (weights-only, with a traceback where it
+        # refuses): the same load, memory-mapped (no tensor read), says it in one line first.
+        untrusted.load(str(ckpt_path), mmap=True)
 
 
 def check_replica_group(trainer: Any, env: Mapping[str, str] | None = None) -> None:
@@ -386,25 +398,106 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
+CLASS_KEYS = ("class_path", "init_args", "dict_kwargs", "__path__")
+"""Keys with which jsonargparse imports and builds a class: a checkpoint's hyperparameters may not hold them."""
+LIGHTNING_KEYS = ("_class_path", "_instantiator")
+"""The keys LightningCLI adds to the hyperparameters it saves (the model's class; Lightning drops the second)."""
+
+
+def check_ckpt_hparams(ckpt_path: str, hparams: Any, model_config: Any) -> None:
+    """Checks that a checkpoint's ``hyper_parameters``, which LightningCLI parses over the config (and which would
+    have jsonargparse import and build whatever class they name), hold only arguments of the configured class.
+
+    Raises:
+        UntrustedFileError: they are not a mapping; name a class (a ``class_path``, ``init_args`` or ``dict_kwargs``
+            key anywhere, except a value the config gives that same argument); hold a key the configured class does
+            not take; or, with no model class configured, name a class outside lit-ddp.
+    """
+
+    def refuse(why: str) -> untrusted.UntrustedFileError:
+        return untrusted.UntrustedFileError(
+            f"--ckpt_path {ckpt_path}: its hyper_parameters {why}; lit-ddp passes a checkpoint's hyperparameters to "
+            "the configured model only as its own arguments (they would make jsonargparse import and build a class "
+            "the file names): give a checkpoint of the configured model"
+        )
+
+    if not isinstance(hparams, dict):
+        raise refuse(f"are a {type(hparams).__name__}, not a mapping")
+    class_path = config_value(model_config, "class_path")
+    init_args = config_value(model_config, "init_args") or {}
+    saved_class = hparams.get("_class_path")
+    if class_path is None and saved_class is not None and not str(saved_class).startswith("lit_ddp."):
+        raise refuse(f"name the class {saved_class!r}, and the config names none (give --model {saved_class})")
+    for key in CLASS_KEYS:
+        if key in hparams:
+            raise refuse(f"hold {key}={hparams[key]!r}")
+    parameters = _init_parameters(class_path)
+    for key, value in hparams.items():
+        if key in LIGHTNING_KEYS:
+            continue
+        if parameters is not None and key not in parameters:
+            raise refuse(f"hold {key}, which {class_path} does not take")
+        if _names_a_class(value) and _plain(value) != _plain(config_value(init_args, key, None)):
+            raise refuse(f"give {key} a class ({value!r})")
+
+
+def _init_parameters(class_path: str | None) -> set[str] | None:
+    """The arguments ``class_path``'s ``__init__`` takes (the config's class, which LightningCLI imports anyway);
+    None where it takes any keyword or cannot be inspected."""
+    if not class_path:
+        return None
+    import importlib
+    import inspect
+
+    module, _, name = str(class_path).rpartition(".")
+    try:
+        params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return set(params)
+
+
+def _names_a_class(value: Any, max_items: int = 100_000) -> bool:
+    """Whether ``value`` holds, at any depth, a mapping with one of :data:`CLASS_KEYS` (walked without recursion)."""
+    pending, seen = [value], 0
+    while pending and seen < max_items:
+        item = pending.pop()
+        seen += 1
+        if isinstance(item, dict):
+            if any(key in item for key in CLASS_KEYS):
+                return True
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return bool(pending)  # too large to walk: treated as naming one
+
+
 def check_ckpt_matches_config(ckpt_path: str | None, model_config: Any) -> None:
     """Checks an explicit ``--ckpt_path`` against the config's model before anything is built (reading only
     the checkpoint's small ``data.pkl`` record). LightningCLI re-parses the checkpoint's hyperparameters over
     the config: a checkpoint of another task would silently build that task's model; a saved value
-    silently replaces the one given. The first is refused, the second warned about, key by key.
+    silently replaces the one given; a planted one could name any class to import (:func:`check_ckpt_hparams`).
+    The first and the last are refused, the second warned about, key by key.
 
     Raises:
         UsageError: the checkpoint was written by another LightningModule than the config's ``model``.
+        UntrustedFileError: its hyperparameters name a class or hold what the configured class does not take.
     """
-    if ckpt_path is None or ckpt_path in layout.CKPT_PATH_KEYWORDS or model_config is None:
+    if ckpt_path is None or ckpt_path in layout.CKPT_PATH_KEYWORDS:
         return
     hparams = checkpoint_header(str(ckpt_path)).get("hyper_parameters") or {}
-    saved_class = hparams.get("_class_path")
+    saved_class = hparams.get("_class_path") if isinstance(hparams, dict) else None
     class_path = config_value(model_config, "class_path")
     if saved_class and class_path and saved_class != class_path:
         raise UsageError(
             f"--ckpt_path {ckpt_path} is a checkpoint of {saved_class}, but the config trains {class_path}: "
             "give a checkpoint of the same task, or the config of the task that wrote it"
         )
+    check_ckpt_hparams(str(ckpt_path), hparams, model_config)
+    if model_config is None:
+        return
     init_args = config_value(model_config, "init_args") or {}
     for key, saved in hparams.items():
         if key.startswith("_") or key == "vocab":

@@ -19,7 +19,7 @@ from lit_ddp import compat
 from lit_ddp.errors import RunDirectoryNotWritable
 from lit_ddp.run_dir import untrusted
 from lit_ddp.run_dir.atomic import atomic_local_file, write_atomic
-from lit_ddp.run_dir.checkpoints import ranked_checkpoints
+from lit_ddp.run_dir.checkpoints import ranked_checkpoints, remove_checkpoint
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -41,14 +41,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     filesystem a write to ``NAME.tmp`` followed by a move.
 
     Loading is weights-only, whatever Lightning asks (:func:`lit_ddp.run_dir.untrusted.load`): a checkpoint
-    holding more than tensors and plain data stops with one line, and a URL is refused.
+    holding more than tensors and plain data, or declaring more than ``model`` can hold, stops with one line, and a
+    URL is refused. Removing (``ModelCheckpoint``'s superseded files) removes only what lies in ``root`` and has a
+    checkpoint's form: a regular file, or a sharded checkpoint's directory of lit-ddp's files
+    (:func:`lit_ddp.run_dir.sharded.written_here`).
+
+    Args:
+        root: the run directory: no path outside it is removed (None: any path of a checkpoint's form).
+        model: the module the checkpoints are of: a checkpoint declaring more tensors than it can hold is refused
+            (:func:`lit_ddp.run_dir.untrusted.bounded_by`). ``lit-ddp`` sets both (:func:`confine`).
     """
+
+    def __init__(self, root: str | None = None, model: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.root = root
+        self.model = model
 
     @override
     def load_checkpoint(
         self, path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool | None = None
     ) -> dict[str, Any]:
-        return untrusted.load(path, map_location=map_location)
+        with untrusted.bounded_by(self.model):
+            return untrusted.load(path, map_location=map_location)
+
+    @override
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Removes the checkpoint at ``path`` (:func:`lit_ddp.run_dir.checkpoints.remove_checkpoint`: inside ``root``,
+        a file or a sharded checkpoint's directory of lit-ddp's files).
+
+        Raises:
+            UntrustedFileError: it lies outside the run directory, is a link, or a directory lit-ddp did not write.
+        """
+        remove_checkpoint(str(path), self.root)
 
     @override
     def save_checkpoint(
@@ -138,6 +162,15 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
         super().__init__(checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO())
+
+
+def confine(checkpoint_io: Any, root: str, model: torch.nn.Module | None) -> None:
+    """Tells every :class:`AtomicCheckpointIO` in ``checkpoint_io`` (wrapped ones too: :class:`AsyncAtomicCheckpointIO`)
+    the run directory it may remove in and the model its checkpoints are of."""
+    while checkpoint_io is not None:
+        if isinstance(checkpoint_io, AtomicCheckpointIO):
+            checkpoint_io.root, checkpoint_io.model = root, model
+        checkpoint_io = getattr(checkpoint_io, "checkpoint_io", None)
 
 
 def wait_for_checkpoint_writes(strategy: Any) -> None:

@@ -12,6 +12,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lit_ddp import compat
 from lit_ddp.resilience.deferred import DeferredFlag
+from lit_ddp.run_dir import untrusted
+
+RESTORED_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
+"""The paths ``ModelCheckpoint`` restores from a checkpoint (with the keys of ``best_k_models``) and later removes
+as the "previous" last or top-k file."""
 
 
 class PeriodicCheckpoint(ModelCheckpoint):
@@ -82,6 +87,32 @@ class PeriodicCheckpoint(ModelCheckpoint):
                 train_time_interval=self.train_time_interval,
             )
         return self._state_key
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``ModelCheckpoint``'s, where every path the checkpoint names lies in this callback's directory (real paths
+        compared: ``ModelCheckpoint`` removes the previous last and top-k files it restored at its next save, after a
+        lexical check that a ``..`` passes, and a URL whole).
+
+        Raises:
+            UntrustedFileError: the checkpoint, written for this directory, names a path outside it (planted: a
+                save would remove that path), or a path that is not a string.
+        """
+        directory = str(self.dirpath)
+        same_directory = state_dict.get("dirpath", self.dirpath) == self.dirpath  # else only best_model_path returns
+        named = [(key, state_dict.get(key)) for key in RESTORED_PATHS]
+        named += [("best_k_models", path) for path in state_dict.get("best_k_models") or {}]
+        for key, path in named:
+            if path in (None, "") or (isinstance(path, str) and untrusted.inside(path, directory)):
+                continue
+            if not isinstance(path, str) or same_directory:
+                raise untrusted.UntrustedFileError(
+                    f"the checkpoint's ModelCheckpoint state names {key}={path!r}, outside its directory {directory}: "
+                    "lit-ddp's checkpoints never do, and the next save would remove that path; the checkpoint was "
+                    "planted or edited: resume from another one (--ckpt_path), or move it away"
+                )
+        super().load_state_dict(state_dict)
+        if self.best_model_path and not untrusted.inside(self.best_model_path, directory):  # another run's directory
+            self.best_model_path = ""
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)

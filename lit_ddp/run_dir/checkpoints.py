@@ -12,14 +12,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import pickle
+import os
 import posixpath
+import shutil
 import time
 import zipfile
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp.run_dir import sharded, untrusted
@@ -39,42 +42,40 @@ def _join(fs: fsspec.AbstractFileSystem, root: str, *parts: str) -> str:
 
 
 def is_valid_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a complete ``torch.save`` archive (zip with intact CRCs), or a sharded checkpoint's
-    directory with such a ``meta.pt`` and every shard its DCP metadata names (:mod:`lit_ddp.run_dir.sharded`).
+    """Whether ``path`` is a complete ``torch.save`` archive (zip with intact CRCs, its structure and tensors as
+    :func:`lit_ddp.run_dir.untrusted.read_archive` checks them), or a sharded checkpoint's directory with such a
+    ``meta.pt`` and every shard its DCP metadata names (:mod:`lit_ddp.run_dir.sharded`).
 
     Reads the whole file once (bytes), not the tensors into memory. A file truncated while being written,
     or one that is not a torch checkpoint at all, is invalid.
 
     Raises:
-        UntrustedFileError: a sharded checkpoint's metadata names classes a checkpoint never holds (a planted
-            pickle: :func:`lit_ddp.run_dir.untrusted.read_dcp_metadata`).
+        UntrustedFileError: a planted file: not a regular file, a compressed record, a header or sharded metadata
+            that is not a checkpoint's (:mod:`lit_ddp.run_dir.untrusted`).
     """
     if sharded.is_sharded(path) and not sharded.shards_complete(path):
         return False
     try:
-        with fsspec.open(sharded.meta_path(path), "rb") as f, zipfile.ZipFile(f) as zf:
-            names = zf.namelist()
-            if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
-                return False
-            return zf.testzip() is None
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError):
+        with _open(sharded.meta_path(path)) as f:
+            untrusted.read_archive(f, path, header=False)  # its header: checkpoint_header
+            with zipfile.ZipFile(f) as zf:
+                return zf.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as e:
+        if isinstance(e, untrusted.UntrustedFileError):
+            raise
         return False
 
 
-class _HeaderUnpickler(pickle.Unpickler):
-    """Unpickles a checkpoint's ``data.pkl`` without its tensors and without running any code: every class
-    but ``OrderedDict`` becomes an inert placeholder, every tensor storage ``None``."""
-
-    class _Opaque:
-        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
-
-        def __setstate__(self, state: Any) -> None: ...
-
-    def find_class(self, module: str, name: str) -> Any:
-        return collections.OrderedDict if (module, name) == ("collections", "OrderedDict") else self._Opaque
-
-    def persistent_load(self, pid: Any) -> None:
-        return None
+@contextlib.contextmanager
+def _open(path: str) -> Iterator[IO[bytes]]:
+    """A checkpoint file opened for reading: a local one only if it is a regular file
+    (:func:`lit_ddp.run_dir.untrusted.open_regular`), a remote one through fsspec."""
+    if "://" in path:
+        with fsspec.open(path, "rb") as f:
+            yield f
+    else:
+        with untrusted.open_regular(path) as f:
+            yield f
 
 
 HEADERS_KEPT = 64
@@ -84,9 +85,10 @@ _headers: collections.OrderedDict[tuple[str, str], dict[str, Any]] = collections
 
 
 def checkpoint_header(path: str) -> dict[str, Any]:
-    """A checkpoint's dictionary without its tensors (they are ``None``), reading only its ``data.pkl`` record (a few
-    KB), locally or through fsspec, and running no code from the file. For a sharded checkpoint's directory, that of
-    its ``meta.pt`` (all but the parameters and optimizer states).
+    """A checkpoint's dictionary without its tensors, reading only its ``data.pkl`` record (a few KB), locally or
+    through fsspec, and building nothing it names (:func:`lit_ddp.run_dir.untrusted.read_archive`: tensors are
+    :class:`~lit_ddp.run_dir.inert.TensorRecord`, other objects inert records). For a sharded checkpoint's
+    directory, that of its ``meta.pt`` (all but the parameters and optimizer states).
 
     Each file is read once per process while it stays the same: a later call returns a copy of the first read unless
     fsspec's ``ukey`` of the file (its size, times and inode locally, its ETag on an object store) has changed, as an
@@ -96,6 +98,7 @@ def checkpoint_header(path: str) -> dict[str, Any]:
 
     Raises:
         ValueError: not a readable torch checkpoint.
+        UntrustedFileError: a planted file (see :func:`is_valid_checkpoint`).
     """
     meta = sharded.meta_path(path)
     try:
@@ -104,13 +107,11 @@ def checkpoint_header(path: str) -> dict[str, Any]:
         if key in _headers:
             _headers.move_to_end(key)
             return copy.deepcopy(_headers[key])
-        with fs.open(local, "rb") as f, zipfile.ZipFile(f) as zf:
-            name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            if name is None:
-                raise ValueError(f"{path} has no data.pkl")
-            with zf.open(name) as pkl:
-                data = _HeaderUnpickler(pkl).load()
-    except (OSError, zipfile.BadZipFile, EOFError, pickle.UnpicklingError, RuntimeError) as e:
+        with _open(meta) as f:
+            data = untrusted.read_archive(f, path).header
+    except untrusted.UntrustedFileError:
+        raise
+    except (OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a checkpoint dictionary")
@@ -151,13 +152,16 @@ def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list
         checkpoint_dir: the ModelCheckpoint directory; defaults to ``<root_dir>/checkpoints``.
 
     Raises:
-        UntrustedFileError: a checkpoint there is a symbolic link (lit-ddp writes none).
+        UntrustedFileError: the run directory, its checkpoint directory or a checkpoint there is a symbolic link
+            (lit-ddp makes none), or a planted checkpoint (see :func:`checkpoint_header`).
     """
     root_dir = str(root_dir)
     fs, _ = url_to_fs(root_dir)
     ckpt_dir = str(checkpoint_dir) if checkpoint_dir is not None else _join(fs, root_dir, CHECKPOINTS)
     # Paths are spelled as the run directory was given (relative stays relative): every rank resolves the
     # chosen one itself, and messages name what the user wrote.
+    untrusted.refuse_symlink(root_dir.rstrip("/"), "run directory")  # lit-ddp makes none: someone planted it
+    untrusted.refuse_symlink(ckpt_dir.rstrip("/"), "checkpoint directory")
     names = [_join(fs, ckpt_dir, n) for n in _names(fs, ckpt_dir) if is_checkpoint_name(n)]
     names += [_join(fs, root_dir, n) for n in _names(fs, root_dir) if is_hpc_name(n)]
     found: dict[str, tuple[int, int, str]] = {}
@@ -165,6 +169,8 @@ def ranked_checkpoints(root_dir: str, checkpoint_dir: str | None = None) -> list
         untrusted.refuse_symlink(name, "checkpoint")  # lit-ddp writes none: someone planted it
         try:
             step = checkpoint_step(name)
+        except untrusted.UntrustedFileError:
+            raise
         except ValueError:
             step = -1
         found[name] = (step, _KIND_ORDER[checkpoint_kind(name.rsplit("/", 1)[-1])], name)
@@ -219,5 +225,40 @@ def remove_older_hpc_checkpoints(path: str) -> None:
     for other in fs.glob(posixpath.join(directory, HPC_GLOB)):
         older = HPC_NAME.fullmatch(posixpath.basename(other))
         if older is not None and int(older.group(1)) < int(this.group(1)):
-            with contextlib.suppress(OSError):
-                fs.rm(other, recursive=True)  # a sharded checkpoint is a directory
+            with contextlib.suppress(OSError, untrusted.UntrustedFileError):  # a planted one stays where it is
+                remove_checkpoint(fs.unstrip_protocol(other) if "://" in path else other, None)
+
+
+def remove_checkpoint(path: str, root: str | None) -> None:
+    """Removes the checkpoint at ``path`` (a local path or an fsspec URL): a file, or a sharded checkpoint's directory
+    holding lit-ddp's files only (:func:`lit_ddp.run_dir.sharded.written_here`); nothing where it is missing.
+
+    Args:
+        path: the checkpoint, as ``ModelCheckpoint`` or the preemption checkpoint's pruning names it.
+        root: the run directory it must lie in (:func:`lit_ddp.run_dir.untrusted.inside`); None: anywhere.
+
+    Raises:
+        UntrustedFileError: ``path`` lies outside ``root``, is a symbolic link, or is a directory that holds more
+            than a sharded checkpoint lit-ddp wrote; nothing is removed.
+    """
+    if root is not None and not untrusted.inside(path, root):
+        raise untrusted.UntrustedFileError(
+            f"refused to remove {path}: it lies outside the run directory {root} (a checkpoint's callback state "
+            "named it; lit-ddp's never do)"
+        )
+    fs, fs_path = url_to_fs(path)
+    if not isinstance(fs, LocalFileSystem):
+        if fs.exists(fs_path):
+            fs.rm(fs_path)  # one object: lit-ddp writes sharded checkpoints locally only
+        return
+    if not os.path.lexists(fs_path):
+        return
+    link, directory = os.path.islink(fs_path), os.path.isdir(fs_path)
+    if link or (directory and not sharded.written_here(fs_path)):
+        raise untrusted.UntrustedFileError(
+            f"refused to remove {path}: it is {'a symbolic link' if link else 'a directory'} that lit-ddp did not write"
+        )
+    if directory:
+        shutil.rmtree(fs_path)
+    else:
+        os.remove(fs_path)

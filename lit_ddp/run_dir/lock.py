@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Mapping
 
@@ -22,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_ddp.errors import UsageError
 from lit_ddp.run_dir import untrusted
 from lit_ddp.run_dir.atomic import write_atomic
-from lit_ddp.run_dir.layout import HOLDER_FILE, LOCK_FILE
+from lit_ddp.run_dir.layout import CHECKPOINTS, HOLDER_FILE, LOCK_FILE
 
 ORPHAN_WAIT_S = 30.0  # how long a dead holder's forked children may keep its lock
 
@@ -60,13 +61,18 @@ def hold_run_directory(root: str, env: Mapping[str, str] | None = None) -> bool:
     if not isinstance(fs, LocalFileSystem):
         rank_zero_warn(f"The run directory {root} is not local and cannot be locked: make sure one job uses it.")
         return False
+    # The run directory and its checkpoints/ as given, not where a link planted in their place points (lstat).
+    untrusted.refuse_symlink(path.rstrip("/"), "run directory")
+    untrusted.refuse_symlink(os.path.join(path, CHECKPOINTS), "checkpoint directory")
     os.makedirs(path, exist_ok=True)
-    if untrusted.writable_by_others(path):
-        rank_zero_warn(
-            f"The run directory {root} is writable by its group or by everyone: whoever can write there can plant "
-            "checkpoints that this run will resume (lit-ddp runs no code from them, but trains on their weights); "
-            "chmod go-w it unless that is what you want"
-        )
+    for directory in (path, os.path.join(path, CHECKPOINTS)):
+        if untrusted.writable_by_others(directory):
+            rank_zero_warn(
+                f"{'The run directory' if directory == path else 'The checkpoint directory'} {directory} is writable "
+                "by its group or by everyone: whoever can write there can plant checkpoints that this run will resume "
+                "(lit-ddp runs no code from them, but trains on their weights); chmod go-w it unless that is what you "
+                "want"
+            )
     lock_path = os.path.abspath(os.path.join(path, LOCK_FILE))
     if lock_path in _held:  # a second fit in this process (from Python): it is ours already
         return True
@@ -100,15 +106,19 @@ def hold_run_directory(root: str, env: Mapping[str, str] | None = None) -> bool:
 
 
 def _holder_record(path: str) -> dict | None:
+    """The holder record, read only from a regular file (not through a link, nor from a FIFO that would block)."""
     try:
         with open(os.path.join(path, HOLDER_FILE), opener=_no_follow) as f:
-            return json.load(f)
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            record = json.loads(f.read(1 << 16))
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def _no_follow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW)
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 def _describe(holder: dict | None) -> str:

@@ -18,6 +18,7 @@ import ctypes
 import glob
 import io
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,12 +32,32 @@ from lit_ddp.run_dir.atomic import fsync, umask
 
 META = "meta.pt"
 """Lightning's file of a sharded checkpoint's non-tensor state (``lightning.fabric...._METADATA_FILENAME``)."""
+OWN_FILES = frozenset({".metadata", META})
+"""The files of a sharded checkpoint beside its shards."""
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a sharded checkpoint's directory (a local path: DCP writes through the OS). A symbolic
     link is not followed (:func:`lit_ddp.run_dir.untrusted.refuse_symlink` refuses it where it is read)."""
     return os.path.isdir(path) and not os.path.islink(path)
+
+
+SHARD_NAME = re.compile(r"__\d+_\d+\.distcp")
+"""The shard files DCP's file system writer names (``__<rank>_<index>.distcp``)."""
+
+
+def written_here(path: str | os.PathLike) -> bool:
+    """Whether the directory ``path`` holds what a sharded checkpoint lit-ddp writes holds and nothing else: regular
+    files named ``.metadata``, ``meta.pt``, a digest record or ``__R_I.distcp`` (no subdirectory, link or special
+    file), so that removing it recursively removes nothing else."""
+    try:
+        entries = list(os.scandir(os.fspath(path)))
+    except OSError:
+        return False
+    return all(
+        entry.is_file(follow_symlinks=False) and (entry.name in OWN_FILES or SHARD_NAME.fullmatch(entry.name))
+        for entry in entries
+    )
 
 
 def meta_path(path: str) -> str:
