@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -224,6 +225,53 @@ def start(
     return subprocess.Popen(
         cmd, cwd=cwd, env=dict(subprocess_env() if env is None else env), start_new_session=True, **kwargs
     )
+
+
+OTHER_UID = 65534
+"""The uid another user of the machine runs as in the tests of docs/security.md's threats (``nobody``)."""
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="becoming another user (uid 65534) needs root: these tests run as root here and in CI"
+)
+
+
+def as_other_user(code: str, *args: str) -> subprocess.Popen:
+    """``python -c code args`` as another user of this machine (uid and gid :data:`OTHER_UID`, no supplementary
+    groups), from ``/``, with this environment's packages and the repository importable: what a process of someone
+    else on a shared login or compute node can do. Its stdout and stderr are merged, as text. Needs root
+    (:data:`needs_root`); skips where no interpreter of this Python version is open to other users."""
+
+    def become() -> None:
+        os.setgroups([])
+        os.setgid(OTHER_UID)
+        os.setuid(OTHER_UID)
+
+    python, paths = _interpreter_for_others()
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": "/tmp", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *paths])
+    return subprocess.Popen(
+        [python, "-c", code, *args],
+        cwd="/",
+        env=env,
+        preexec_fn=become,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _interpreter_for_others() -> tuple[str, list[str]]:
+    """A Python interpreter of this version that other users may run, and the package directories it must be given:
+    this one where every directory above it is open to them, else the system's (``/usr/bin/python3``) with this
+    environment's site-packages (a pyenv build under a private home directory is not)."""
+    real = Path(os.path.realpath(sys.executable))
+    if all(os.stat(d).st_mode & 0o001 for d in real.parents):
+        return sys.executable, []
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+        if os.access(candidate, os.X_OK) and all(os.stat(d).st_mode & 0o001 for d in Path(candidate).parents):
+            return candidate, [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    pytest.skip(f"no Python {version} interpreter that another user may run")
 
 
 def descendants(pid: int) -> list[int]:

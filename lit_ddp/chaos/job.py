@@ -15,12 +15,13 @@ from typing import Any
 
 from jsonargparse import Namespace
 
-from lit_ddp.launch import loopback
+from lit_ddp.launch import loopback, secret
 from lit_ddp.run_dir import layout
 
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
 PHASE_PROBE = "lit_ddp.chaos.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
 SKETCH = "lit_ddp.chaos.sketch.ParameterSketch"  # the parameters at each logged step, for --calibrated
+RDZV_ID_ENV = "PET_RDZV_ID"  # torchrun's --rdzv_id, read from the environment (torch's argparse_util.env)
 PHASE_FILE = ".chaos_phase"  # where it tells it, in the run directory
 SBATCH_SCRIPT = Path("slurm/train.sbatch")
 ELASTIC_SCRIPT = Path("slurm/train_elastic.sbatch")
@@ -150,15 +151,17 @@ class Job:
 
     def _agent_command(self) -> list[str]:
         """The command of one agent: a standalone torchrun, or one of ``--nodes`` agents that meet in this tool's
-        store (``is_host=false``: none of them hosts it, so no agent's death takes the rendezvous with it)."""
+        store (``is_host=false``: none of them hosts it, so no agent's death takes the rendezvous with it). Their
+        rendezvous id is in their environment (:meth:`start`), not on this command line, which every user of the
+        machine can read: torch's c10d rendezvous unpickles what the store holds under that id, and the store, on
+        loopback, is open to every local user (docs/security.md)."""
         if self.args.launcher != "torchrun":
             return self.cmd
         if self.args.nodes == 1:
             rdzv = ["--standalone"]
         else:
             rdzv = ["--nnodes", str(self.args.nodes), "--rdzv_backend", "c10d", "--rdzv_endpoint",
-                    f"127.0.0.1:{self.store.port}", "--rdzv_id", f"{self.name}-{self.round}",
-                    "--rdzv_conf", "is_host=false,join_timeout=120"]  # fmt: skip
+                    f"127.0.0.1:{self.store.port}", "--rdzv_conf", "is_host=false,join_timeout=120"]  # fmt: skip
         return [*self.cmd[:3], *rdzv, *self.cmd[3:]]
 
     def _spawn(self) -> subprocess.Popen:
@@ -181,6 +184,8 @@ class Job:
             if self.store is None:  # on loopback only (lit_ddp.launch.loopback)
                 self.store = loopback.store(0, None, True, multi_tenant=True, wait_for_workers=False)
             self.round += 1
+            # A new id for each start of the whole job, drawn from 128 random bits: nobody else can name its keys.
+            self.env[RDZV_ID_ENV] = secret.random_id(f"{self.name}-{self.round}")
         self.procs = [self._spawn() for _ in range(agents)]
 
     def poll(self) -> int | None:
