@@ -166,9 +166,21 @@ def path_problem(path: str, test: str | None) -> str | None:
     return None
 
 
+def git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
 def git_has(commit: str, path: str) -> bool:
-    result = subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=REPO, capture_output=True, timeout=60)
-    return result.returncode == 0
+    """Whether ``path`` is a file of ``commit``; True where the checkout cannot say (a shallow clone lacking the
+    commit, no git)."""
+    try:
+        if git("cat-file", "-e", f"{commit}:{path}").returncode == 0:
+            return True
+        return git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0 and (
+            git("rev-parse", "--is-shallow-repository").stdout.strip() == "true"
+        )
+    except OSError:
+        return True
 
 
 @cache
