@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch is pinned and installed first: an unpinned torch pulls several GB of CUDA wheels.
+# torch is pinned (what CI tests) and installed first; which build, pip's index decides (from PyPI on Linux, the CUDA
+# one: several GB). A torch of this version already in the venv is kept (README "Install": the CPU build on purpose).
 TORCH_VERSION ?= 2.13.0
 # `make train` composes these configs in order (DDP fragment, then the step config): configs/mingpt/gpu.yaml where
 # torch sees a CUDA device, configs/mingpt/cpu.yaml otherwise: the venv's torch is asked (lit_ddp.launch.main_job)
@@ -91,7 +92,7 @@ bench: venv
 	$(BIN)/python -m bench.checkpoint_overhead $(BENCH_ARGS)
 
 # The main job's speed table: time to val/loss 1.886 vs nanoGPT's CPU recipe, Lightning vs plain DDP step
-# time, DDP scaling, MFU (about 20 minutes; README "Speed").
+# time, DDP scaling, MFU (about 20 minutes; docs/speed.md, "The speed table").
 bench-speed: venv
 	$(BIN)/python -m bench.speed $(BENCH_ARGS)
 

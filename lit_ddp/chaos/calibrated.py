@@ -12,7 +12,7 @@ spread; the faulted run passes if it stays within ``K`` times it:
 The loss is judged over the whole run, not step by step: a loss at one step is one random draw, and one of two
 equally likely differences exceeds three times the other about one time in five (for Gaussian differences,
 ``1 - 2 atan(3) / pi``); a distance over thousands of coordinates, and an RMS over the run, lie close to their
-means. Measured on this CPU (docs/fault_tolerance.md, "``lit-ddp chaos``": 20 uninterrupted runs of the calibrated chaos test's
+means. Measured on this CPU (docs/chaos.md, "Which K": 20 uninterrupted runs of the calibrated chaos test's
 minGPT with gradient noise, 30 logged steps each, each run judged against every pair of others, 3,420 judgements;
 run twice): a run's largest per-step parameter ratio was at most 2.50 and 1.87 (median 1.17), its loss RMS ratio
 at most 2.74 and 2.96; none fell outside K = 3, 4 and 3 outside 2.5 (another 3,420 judgements of 20 other runs,

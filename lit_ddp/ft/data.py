@@ -13,7 +13,7 @@
 
 So a group's position after ``s`` committed steps is ``s`` whole global batches into the order (by epochs), on every
 group, whatever faults happened; the steps take the same global batches as an uninterrupted run's, each trained by
-the groups that were up. docs/fault_tolerance.md ("Per-step recovery with torchft") says what it does to the batch.
+the groups that were up. docs/torchft.md ("A group that is down") says what it does to the batch.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ checkpoint, key ``"torchft"``), and the group's first step waits for a quorum of
 ``quorum_timeout``), so that a group whose checkpoint is older heals from the newest instead of training alone up to
 the newer group's step (two groups at one step with different states, which no quorum would heal).
 
-The timeouts (docs/fault_tolerance.md, "Per-step recovery with torchft"): a lost group costs the survivors about one
+The timeouts (docs/torchft.md, "Timeouts"): a lost group costs the survivors about one
 heartbeat timeout of the lighthouse (``python -m lit_ddp.ft.launch --heartbeat_timeout_ms``), a frozen one at most
 ``timeout`` (the cross-group collectives, ``should_commit`` and the checkpoint transfer).
 """

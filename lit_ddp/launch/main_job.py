@@ -11,7 +11,7 @@ import torch
 
 DDP = "configs/trainer/ddp.yaml"
 CPU_CONFIGS = (DDP, "configs/mingpt/cpu.yaml")  # DDP over 2 CPU processes (about 2 minutes on 2 cores)
-GPU_CONFIGS = (DDP, "configs/mingpt/gpu.yaml")  # DDP over every GPU, compiled, bf16 autocast
+GPU_CONFIGS = (DDP, "configs/mingpt/gpu.yaml")  # one process per GPU (DDP over several), eager, bf16 autocast
 
 
 def default_configs() -> tuple[str, ...]:

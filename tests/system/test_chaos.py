@@ -193,7 +193,7 @@ def test_calibrated_chaos_judges_runs_with_nondeterministic_kernels(
     real resume is within K x the spread of two uninterrupted runs at every logged step; one that reseeds torch's RNG
     at its first batch (past the restore check) is not, nor one whose sampler starts its epoch over, and either is
     found at the first logged step after its first resume. K=4: of 3 x 3,420 judgements of runs as good as a rerun
-    (docs/fault_tolerance.md, ``lit-ddp chaos``, and one count like it), 6 fell outside K = 3 and none outside 3.5; the breakers' parameters lay 12 and 17
+    (docs/chaos.md, "Which K", and one count like it), 6 fell outside K = 3 and none outside 3.5; the breakers' parameters lay 12 and 17
     times the spread from the first run's at that step."""
     extra = [callback(GradientNoise, scale=1e-6)] + ([callback(breaker)] if breaker else [])
     callbacks = write_callbacks_config(tmp_path / "callbacks.yaml", *extra)

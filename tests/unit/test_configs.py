@@ -85,7 +85,7 @@ def test_fragment_composes(path: Path, capsys: pytest.CaptureFixture) -> None:
                 assert printed[section][key] == value, f"{path}: {section}.{key}"
 
 
-LAUNCHED_ELSEWHERE = {"configs/trainer/torchft.yaml": "docs/fault_tolerance.md"}
+LAUNCHED_ELSEWHERE = {"configs/trainer/torchft.yaml": "docs/torchft.md"}
 """Fragments that are no tutorial step: started by their own launcher (``python -m lit_ddp.ft.launch``), shown there."""
 
 

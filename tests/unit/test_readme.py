@@ -1,8 +1,9 @@
 """The README as the tutorial (issue 53): the series' five steps in its order under its titles, each with the script
 it replaces, a YAML excerpt, a command of lines of at most 100 characters and an output block that
 ``scripts/readme_outputs.py`` writes (``tests/system/test_tutorial_page.py`` runs the commands); every command names
-programs, make targets and files that exist; every ``make stepN`` runs its step's command; YAML and code excerpts of
-the README, docs/your_model.md and slurm/README.md are those of the files they name; relative links resolve."""
+programs, make targets and files that exist; every ``make stepN`` runs its step's command; docs/your_model.md's code
+excerpts are those of the file they name. What every page must hold true (paths, keys, YAML excerpts, links):
+``tests/unit/test_docs.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.helpers import README, REPO, readme_outputs, readme_steps
 
@@ -116,47 +116,8 @@ def test_make_step_runs_the_readmes_command(step: int) -> None:
     assert command in make_dry_run(f"step{step}")
 
 
-def is_subset(excerpt: object, whole: object) -> bool:
-    if isinstance(excerpt, dict):
-        return isinstance(whole, dict) and all(k in whole and is_subset(v, whole[k]) for k, v in excerpt.items())
-    return excerpt == whole
-
-
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
-def test_yaml_excerpts_are_the_files_they_name(page: Path) -> None:
-    """A YAML block whose first line names a file of the checkout (``# configs/regression/ddp.yaml: ...``) holds only
-    keys and values of that file."""
-    for excerpt in fences(page.read_text(), "yaml"):
-        named = re.match(r"# ((?:configs|examples)/\S+?\.yaml)", excerpt)
-        if named:
-            whole = yaml.safe_load((REPO / named[1]).read_text())
-            assert is_subset(yaml.safe_load(excerpt), whole), f"{page.name}: excerpt of {named[1]}"
-
-
 def test_your_model_page_quotes_the_example() -> None:
     """docs/your_model.md's code excerpts are lines of examples/your_model.py, as they stand there."""
     source = (REPO / "examples" / "your_model.py").read_text()
     excerpts = fences((REPO / "docs" / "your_model.md").read_text(), "python")
     assert excerpts and all(excerpt in source for excerpt in excerpts)
-
-
-def anchors(text: str) -> set[str]:
-    """GitHub's anchors of a page's headings."""
-    slugs = set()
-    for heading in re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```\n", "", text, flags=re.M | re.S), re.M):
-        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
-        slugs.add(slug)
-    return slugs
-
-
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
-def test_relative_links_resolve(page: Path) -> None:
-    """Every relative link of the page names a file of the checkout, and an anchor one of its headings."""
-    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-        if re.match(r"\w+://", target):
-            continue
-        path, _, anchor = target.partition("#")
-        file = (page.parent / path).resolve() if path else page
-        assert file.exists(), f"{page.name}: {target}"
-        if anchor and file.suffix == ".md":
-            assert anchor in anchors(file.read_text()), f"{page.name}: {target}"
