@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 # one: several GB). A torch of this version already in the venv is kept (README "Install": the CPU build on purpose).
 TORCH_VERSION ?= 2.13.0
 # `make train` composes these configs in order (DDP fragment, then the step config): configs/mingpt/gpu.yaml where
-# torch sees a CUDA device, configs/mingpt/cpu.yaml otherwise: the venv's torch is asked (lit_ddp.launch.main_job)
+# torch sees a CUDA device, configs/mingpt/cpu.yaml otherwise: the venv's torch is asked (scripts/main_job.py)
 # when the recipe runs, after `venv` (`?=` expands a variable where it is used, not here).
-CONFIGS ?= $(shell $(BIN)/python -m lit_ddp.launch.main_job)
+CONFIGS ?= $(shell $(BIN)/python scripts/main_job.py)
 PYTEST_ARGS ?=
 
 .PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-fsdp bench-gpu bench-launches bench-syncs clean \

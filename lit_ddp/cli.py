@@ -14,6 +14,7 @@ model in DDP and gives each rank its shard of the data. The callbacks that make 
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import warnings
@@ -36,10 +37,9 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_ddp.callbacks.continuity import CurvesContinue, ResumedEpochProgress
 from lit_ddp.callbacks.model_summary import MixedPrecisionModelSummary
 from lit_ddp.callbacks.text_samples import FitEndSample
-from lit_ddp.chaos.cli import chaos_main, chaos_parser
-from lit_ddp.generate import generate_main, generate_parser
 from lit_ddp.launch.environment import (
     TorchrunEnvironment,
     config_value,
@@ -47,11 +47,8 @@ from lit_ddp.launch.environment import (
     follow_torchrun,
     task_gpu_accelerator,
 )
-from lit_ddp.launch.model_size import check_ckpt_builds_model
-from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
+from lit_ddp.launch.preflight import run_checks
 from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
-from lit_ddp.launch.text_check import check_text_data
-from lit_ddp.launch.variables import check_launch_variables
 from lit_ddp.resilience.checkpoint_io import AtomicCheckpointIO, confine, is_inside, not_writable_error, refused_write
 from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
@@ -83,12 +80,20 @@ def set_float32_matmul_precision(configured: str | None, accelerator: Accelerato
     torch.set_float32_matmul_precision(configured)
 
 
-TOOLS: dict[str, tuple[Callable[[], ArgumentParser], Callable[[Namespace], int], str]] = {
-    "generate": (generate_parser, generate_main, "Text from a minGPT checkpoint, without the training data"),
-    "chaos": (chaos_parser, chaos_main, "Does your run survive faults exactly? Trains it with and without them"),
-}
-"""Subcommands beside Lightning's that run a tool and end, without a Trainer: their arguments' parser, their entry
-point (the parsed arguments in, the exit status out) and their help line."""
+TOOLS: dict[str, tuple[str, str, str, str]] = {
+    "generate": ("lit_ddp.generate", "generate_parser", "generate_main", "Text from a minGPT checkpoint, without the training data"),
+    "chaos": ("lit_ddp.chaos.cli", "chaos_parser", "chaos_main", "Does your run survive faults exactly? Trains it with and without them"),
+}  # fmt: skip
+"""Subcommands beside Lightning's that run a tool and end, without a Trainer: their module, their arguments' parser
+and their entry point there (the parsed arguments in, the exit status out), and their help line. A tool's module is
+imported only when the command asks for it (:func:`tool`)."""
+
+
+def tool(name: str) -> tuple[Callable[[], ArgumentParser], Callable[[Namespace], int]]:
+    """The parser and entry point of the tool subcommand ``name`` (:data:`TOOLS`), its module imported now."""
+    module, parser, main = TOOLS[name][:3]
+    loaded = importlib.import_module(module)
+    return getattr(loaded, parser), getattr(loaded, main)
 
 
 class ToolExit(SystemExit):
@@ -130,7 +135,7 @@ class LitDDPCLI(LightningCLI):
       set the job's own inside it (:func:`lit_ddp.run_dir.layout.run_directory`); ``fit`` holds it (one live job
       per run directory) and, without ``--ckpt_path``, resumes from its newest valid checkpoint, the same on every
       rank (:func:`lit_ddp.resilience.resume.start_from`); ``validate`` / ``test`` evaluate that checkpoint;
-    - ``exact_resume.*`` configures :class:`ExactResume` (RNG and loader states per rank); ``startup.timeout``
+    - :class:`ExactResume` carries each rank's RNG, loader and metric state (``exact_resume``); ``startup.timeout``
       bounds the start-up (rendezvous, resume, restore) apart from the collective timeout (:class:`StartupTimeout`);
     - every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint`, and writes every checkpoint
       atomically (:class:`AtomicCheckpointIO`) unless ``trainer.plugins`` names another ``CheckpointIO``; a write the
@@ -159,8 +164,11 @@ class LitDDPCLI(LightningCLI):
     """
 
     run_root: str | None = None  # the run directory, once the config names it
+    given_header: dict[str, Any] | None = None  # --ckpt_path's, read once when the arguments are parsed
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = kwargs.get("args", args[0] if args else None)
+        self.argv = [str(a) for a in (sys.argv[1:] if given is None else given if isinstance(given, list) else [])]
         kwargs.setdefault("seed_everything_default", DEFAULT_SEED)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
@@ -170,7 +178,10 @@ class LitDDPCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", AtomicSaveConfig)
         # A NaN/inf loss stops training with a message naming the step; the last good checkpoint is kept.
         # A preemption signal saves, requeues (Slurm) and stops at an agreed optimizer step, on every rank.
-        kwargs.setdefault("trainer_defaults", {"callbacks": [FiniteLossGuard(), PreemptionCheckpoint()]})
+        # After ExactResume's put-back (the callbacks the parser adds, checkpoint and exact_resume among them, come
+        # first): the progress bar of a resumed run continues the killed run's.
+        defaults = [FiniteLossGuard(), PreemptionCheckpoint(), ResumedEpochProgress()]
+        kwargs.setdefault("trainer_defaults", {"callbacks": defaults})
         self.fit_end_sample = FitEndSample()
         try:
             super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
@@ -186,8 +197,11 @@ class LitDDPCLI(LightningCLI):
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         subcommands = getattr(self.parser, "subcommands_action", None)
         if add_subcommands and subcommands is not None:
-            for name, (make_parser, _, help) in TOOLS.items():
-                subcommands.add_subcommand(name, make_parser(), help=help)
+            asked = next((a for a in self.argv if not a.startswith("-")), None)
+            for name, (*_, help) in TOOLS.items():
+                # The tool asked for gets its parser (its module imported); the others a parser for the help line only.
+                parser = tool(name)[0]() if name == asked else ArgumentParser(description=help)
+                subcommands.add_subcommand(name, parser, help=help)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
@@ -211,20 +225,13 @@ class LitDDPCLI(LightningCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand in TOOLS:  # before LightningCLI reads a checkpoint or builds a Trainer
-            raise ToolExit(TOOLS[subcommand][1](self.config[subcommand]))
+            raise ToolExit(tool(subcommand)[1](self.config[subcommand]))
         # LightningCLI reads --ckpt_path's hyperparameters right after parsing: check the file first.
         if subcommand:
             config = self.config[subcommand]
             if config.get("trainer") is not None:
                 self._place_run(config, sys.argv[1:] if args is None else args)
-            if config.get("weights_only") is False:
-                raise untrusted.UntrustedFileError(
-                    "--weights_only false: lit-ddp loads checkpoints weights-only (tensors and plain data), whatever "
-                    "their source (docs/security.md); a checkpoint you trust that holds other objects: load it with "
-                    "torch.load(weights_only=False) yourself and save what it holds as tensors"
-                )
-            check_ckpt_path(config.get("ckpt_path"))
-            check_ckpt_matches_config(config.get("ckpt_path"), config.get("model"))
+            self.given_header = run_checks("parsed", config=config)
 
     @staticmethod
     def _place_run(config: Any, args: Any) -> None:
@@ -247,9 +254,7 @@ class LitDDPCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
-        run_preflight(config.get("trainer"))
-        check_ckpt_builds_model(config.get("ckpt_path"), config.get("model"))  # LightningCLI read its hyperparameters
-        check_text_data(config.get("data"))
+        run_checks("built", config=config)  # LightningCLI has read --ckpt_path's hyperparameters into the model's
         if change := follow_slurm_port():  # a port per job step, not Lightning's one per job
             rank_zero_info(change)
         if config.get("trainer") is not None:  # where a refused write is reported in one line (__init__)
@@ -290,6 +295,9 @@ class LitDDPCLI(LightningCLI):
             callbacks.append(TQDMProgressBar(refresh_rate=PROGRESS_BAR_REFRESH_STEPS))
         if isinstance(self.model, GPTModule):
             callbacks.append(self.fit_end_sample)
+        # Before the callbacks the parser adds (the learning-rate monitor logs at each batch's start): TensorBoard's
+        # purge marker of a resumed run must precede the first point it logs.
+        callbacks.append(CurvesContinue())
         if trainer_config.get("enable_model_summary") is not False and not any(
             isinstance(c, ModelSummary) for c in callbacks
         ):  # ours in place of Lightning's, which then neither adds its own nor says that it found one
@@ -324,7 +332,11 @@ class LitDDPCLI(LightningCLI):
         else:  # a fit resumes from the run directory's checkpoints: that they exist is the design, not a mistake
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         given = config.get("ckpt_path")
-        config["ckpt_path"] = start_from(self.trainer, None if given is None else str(given), fit=fit)
+        step = None if self.given_header is None else self.given_header.get("global_step")
+        given_step = step if isinstance(step, int) else None
+        config["ckpt_path"] = start_from(
+            self.trainer, None if given is None else str(given), fit=fit, given_step=given_step
+        )
 
     def after_fit(self) -> None:
         """Rank zero prints the last validation's ``val/*`` values, the best monitored value (unless the monitor is
@@ -368,8 +380,9 @@ class AtomicSaveConfig(SaveConfigCallback):
 
 
 def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
-    """Entry point of ``lit-ddp`` and ``python -m lit_ddp``: the CLI after a Lightning subcommand, ``None`` after a
-    tool (:data:`TOOLS`) that succeeded.
+    """The command, from Python (the tests, a notebook) or behind ``lit-ddp`` / ``python -m lit_ddp``
+    (:mod:`lit_ddp.__main__`): the CLI after a Lightning subcommand, ``None`` after a tool (:data:`TOOLS`) that
+    succeeded.
 
     Args:
         args: command-line arguments without the program name; ``None`` reads ``sys.argv``.
@@ -384,8 +397,7 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
     silence_library_noise()
 
     def run() -> LitDDPCLI:
-        check_launch_variables()
-        check_config_files(argv)
+        run_checks("arguments", argv=argv)
         # args=None lets LightningCLI read sys.argv itself (passing both makes it warn).
         return LitDDPCLI(args=None if args is None else argv)
 
@@ -398,5 +410,6 @@ def cli_main(args: list[str] | None = None) -> LitDDPCLI | None:
 
 
 def main() -> None:
-    """The ``lit-ddp`` console script: :func:`cli_main`, returning nothing (so the exit status is 0)."""
+    """:func:`cli_main`, returning nothing (so the exit status is 0): what ``lit_ddp.__main__.main`` (the ``lit-ddp``
+    console script and ``python -m lit_ddp``) calls once it has checked the launchers' variables."""
     cli_main()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
 
 from lit_ddp.resilience import signals
 
@@ -311,3 +312,46 @@ class StepTrace(Callback):
     ) -> None:
         with open(self.path, "a") as f:
             f.write(f"{time.time():.3f} {os.getpid()} {trainer.global_step}{self.trained}\n")
+
+
+class StepsSeen(Callback):
+    """A callback with a state of its own: the optimizer steps this fit has taken (``on_before_optimizer_step``, which
+    a step torchft discards never reaches), carried through checkpoints and heals by its ``state_dict``. A process
+    that started over without it counts from 0."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: object) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.steps = int(state_dict["steps"])
+
+
+class ScalerLikePrecision(Precision):
+    """Lightning's 32-bit precision with a GradScaler's kind of state on CPU: a ``scale`` that moves at every optimizer
+    step it takes (doubled, and halved every third step, as a scaler grows and backs off) and the steps counted,
+    saved and restored through ``state_dict`` / ``load_state_dict`` as Lightning's ``MixedPrecision`` saves its
+    scaler's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.tensor(1.0, dtype=torch.float64)
+        self.steps = 0
+
+    def optimizer_step(self, optimizer: object, model: object, closure: object, **kwargs: object) -> object:
+        out = super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[arg-type]
+        self.steps += 1
+        self.scale = self.scale * (0.5 if self.steps % 3 == 0 else 2.0)
+        return out
+
+    def state_dict(self) -> dict[str, object]:
+        return {"scale": self.scale.clone(), "steps": self.steps}
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self.scale = torch.as_tensor(state_dict["scale"], dtype=torch.float64).clone()
+        self.steps = int(state_dict["steps"])  # type: ignore[call-overload]

@@ -76,6 +76,14 @@ def readme_outputs() -> Any:
     return module
 
 
+def main_job() -> Any:
+    """``scripts/main_job.py`` as a module: which configs ``make train`` composes on this machine."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import main_job as module
+
+    return module
+
+
 def readme_steps() -> dict[str, str]:
     """The README's tutorial steps: each command of a bash block under a numbered heading (``## 3. Fault-tolerant
     ...``), by the heading's text (``3. Fault-tolerant distributed training with torchrun``); a step's command that

@@ -33,7 +33,7 @@ injected from outside, then compares the two final checkpoints bit for bit.
   (``scancel --signal=USR1``, Slurm only: the time limit's warning, save and requeue). The schedule (each
   fault's kind, target rank and delay, a fraction of the checkpoint interval) is drawn from ``--seed`` before the
   run (printed: the same seed replays the same schedule); a fault comes only once the run directory holds a step
-  checkpoint, the next one only after the job came back (it resumed, as its "Resumed from" line says, and saved
+  checkpoint, the next one only after the job came back (it resumed, as the run's records of resumes say, and saved
   a step checkpoint since), each at the step ``delay x interval`` past the newest checkpoint (the run's
   ``PhaseProbe``, which the tool adds to both runs, tells the step), at whatever point within the step the
   processes are when the tool sees it.
@@ -68,7 +68,6 @@ torchft's fault injector, the nearest library, checks convergence only, not a re
 from __future__ import annotations
 
 import random
-import re
 import shutil
 import sys
 import time
@@ -82,7 +81,7 @@ from lit_ddp.chaos.compare import compare
 from lit_ddp.chaos.job import ELASTIC_SCRIPT, SBATCH_SCRIPT, Fault, Job
 from lit_ddp.chaos.replica_groups import WITNESS, group_dirs, groups_difference, print_group_faults, run_faulted_groups
 from lit_ddp.errors import UsageError
-from lit_ddp.run_dir import layout, sharded
+from lit_ddp.run_dir import events, layout, sharded
 
 KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
 # What each launcher can inject: a Slurm job's processes run on other machines, reached through scancel only.
@@ -96,9 +95,6 @@ LAUNCHER_KINDS = {
 # slurm/train_elastic.sbatch: a torchrun agent per node restarts its workers; it has no SIGUSR1 handler (a USR1 would
 # end the agent), and a frozen worker is torchrun's to end.
 ELASTIC_KINDS = ("kill", "hang", "node", "term", "validation")
-RESUMED = re.compile(r"Resumed from \S+ at global_step (\d+)")
-CHECKED = re.compile(r"Restore check passed: .*\((\d+) entries on rank 0\)")
-MISMATCH = re.compile(r"the state restored from \S+ differs from the one saved there, first at [^\n]*")
 
 
 def plan(seed: int, faults: int, kinds: list[str]) -> list[Fault]:
@@ -230,6 +226,11 @@ def checkpoint_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
+def resumed_steps(root: Path) -> list[int]:
+    """The global step of each resume of the run in ``root``, in order (its records: :mod:`lit_ddp.run_dir.events`)."""
+    return [int(e["global_step"]) for e in events.read(root, events.RESUMED) if isinstance(e.get("global_step"), int)]
+
+
 def run_reference(job: Job, timeout: float) -> tuple[float, float] | None:
     """Runs the uninterrupted job; returns its seconds in all and from its first step checkpoint to its end (the
     part of a run that faults may hit), or None when it failed."""
@@ -290,15 +291,15 @@ def run_faulted(job: Job, schedule: list[Fault], every: int, span: float, timeou
                     f["lost"] = time.monotonic() - start - f["t"]
 
     def back() -> bool:
-        """Whether the job came back from every fault so far: it resumed once per fault (its "Resumed from ...
-        at global_step N" lines) and saved a step checkpoint after the last resume."""
+        """Whether the job came back from every fault so far: it resumed once per fault (its records of resumes)
+        and saved a step checkpoint after the last resume."""
         regained()
         seen = checkpoint_steps(job.root)
         if not seen or job.poll() is not None:
             return False
         if not faults:
             return True
-        resumed = [int(step) for step in RESUMED.findall(job.output())]
+        resumed = resumed_steps(job.root)
         return len(resumed) >= len(faults) and seen[-1] > resumed[len(faults) - 1]
 
     try:
@@ -402,17 +403,19 @@ def chaos_main(config: Namespace) -> int:
         faults, seconds = run_faulted(job, schedule, every, span, args.timeout)
     except RuntimeError as e:
         print(f"lit-ddp chaos: {e}", file=sys.stderr)
-        if mismatch := MISMATCH.search(job.output()):
-            print(f"restore check: {mismatch.group(0)}", file=sys.stderr)
+        for record in events.read(job.root, events.RESTORE_CHECK):
+            if not record.get("passed"):
+                print(f"restore check: {record.get('message')}", file=sys.stderr)
         return 1
-    print_faults(faults, [int(step) for step in RESUMED.findall(job.output())])
-    checked, resumes = CHECKED.findall(job.output()), len(RESUMED.findall(job.output()))
+    resumed = resumed_steps(job.root)
+    print_faults(faults, resumed)
+    checked = [str(c.get("entries")) for c in events.read(job.root, events.RESTORE_CHECK) if c.get("passed")]
     entries = f" ({', '.join(checked)} entries on rank 0)" if checked else ""
-    print(f"restore check: passed at {len(checked)} of {resumes} resumes{entries}")
+    print(f"restore check: passed at {len(checked)} of {len(resumed)} resumes{entries}")
     if took:
         print(f"the faults cost {seconds - took[0]:.1f} s ({seconds:.1f} s against {took[0]:.1f} s uninterrupted)")
     if args.calibrated is not None:
-        return calibrated_report(args, reference, [int(step) for step in RESUMED.findall(job.output())])
+        return calibrated_report(args, reference, resumed)
     difference = compare(reference, args.root / "faulted", args.rtol)
     if difference is None:
         how = f"within rtol {args.rtol:g}" if args.rtol else "bit for bit"

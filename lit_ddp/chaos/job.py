@@ -15,8 +15,9 @@ from typing import Any
 
 from jsonargparse import Namespace
 
-from lit_ddp.launch import loopback, secret
+from lit_ddp.launch import secret
 from lit_ddp.run_dir import layout
+from lit_ddp.strategies import loopback
 
 HANG_TIMEOUT = "0:00:20"  # the collective timeout a hang test runs under: a frozen worker costs this plus 30 s
 PHASE_PROBE = "lit_ddp.chaos.phase_probe.PhaseProbe"  # tells the step reached and when validation runs
@@ -181,7 +182,7 @@ class Job:
             return
         agents = self.args.nodes if self.args.launcher == "torchrun" else 1
         if agents > 1:
-            if self.store is None:  # on loopback only (lit_ddp.launch.loopback)
+            if self.store is None:  # on loopback only (lit_ddp.strategies.loopback)
                 self.store = loopback.store(0, None, True, multi_tenant=True, wait_for_workers=False)
             self.round += 1
             # A new id for each start of the whole job, drawn from 128 random bits: nobody else can name its keys.

@@ -29,11 +29,13 @@ from lit_ddp.compat.checkpoints import (
     LIGHTNING_REKEYS_BY_MODEL_ORDER,
     checkpoint_state_key,
     collect_rng_states,
+    dump_checkpoint,
     hpc_save_path,
     install_resume_resolver,
     is_object_storage,
     last_saved_step,
     rekey_optimizer_states_by_groups,
+    restore_checkpoint_state,
     save_last_checkpoint,
     set_rng_states,
     wait_for_async_writes,
@@ -110,6 +112,8 @@ from lit_ddp.compat.torchft import (
 )
 
 __all__ = [
+    "dump_checkpoint",
+    "restore_checkpoint_state",
     "BatchedMuon",
     "LIGHTNING_RECOUNTS_EPOCH_END",
     "LIGHTNING_REKEYS_BY_MODEL_ORDER",

@@ -116,3 +116,28 @@ def set_rng_states(states: dict[str, Any]) -> None:
 def is_object_storage(fs: Any) -> bool:
     """Whether an fsspec filesystem is an object store (s3, gs, az...): Lightning's own test."""
     return bool(private("lightning.fabric.utilities.cloud_io", "_is_object_storage")(fs))
+
+
+def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
+    """The dictionary ``trainer.save_checkpoint`` would write now, without writing it: the module and its
+    ``on_save_checkpoint`` extras, optimizers, schedulers, the precision plugin's state (a GradScaler's), the loops, the
+    callbacks' states and hooks, the hyperparameters. Lightning builds it in its private checkpoint connector
+    (``_CheckpointConnector.dump_checkpoint``) and offers no public call that does not also write the file."""
+    return dict(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+
+
+def restore_checkpoint_state(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Puts ``checkpoint`` (:func:`dump_checkpoint`'s layout) into a fit in the middle of training, as Lightning's
+    private checkpoint connector restores a file's at the start of one: the module (its ``on_load_checkpoint`` hook
+    first), the precision plugin, the callbacks (their ``on_load_checkpoint`` hooks and ``load_state_dict``), then the
+    optimizers and LR schedulers. Not the loops: their counts are set by the caller (a heal continues a peer's step,
+    which Lightning's loop restore cannot). Lightning restores a checkpoint only from a path, before training."""
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = checkpoint
+    try:
+        connector.restore_model()
+        connector.restore_precision_plugin_state()
+        connector.restore_callbacks()
+        connector.restore_optimizers_and_schedulers()
+    finally:
+        connector._loaded_checkpoint = {}

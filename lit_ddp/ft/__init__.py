@@ -12,5 +12,6 @@ stops no one else (the others go on at the next step); a restarted group takes t
   read again, a healed group's position taken from its peer);
 - ``launch.py``: ``python -m lit_ddp.ft.launch``, the lighthouse on loopback and R replica groups on one machine.
 
-Nothing outside this subpackage imports torchft.
+torchft is imported by this subpackage and by :mod:`lit_ddp.compat.torchft` (inside its functions, for what of
+torchft's private internals the subpackage uses), and by nothing else.
 """

@@ -24,7 +24,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lit_ddp import compat
-from lit_ddp.resilience.restore_check import loader_sampler
+from lit_ddp.resilience.state import loader_sampler
 
 
 def group_index(replica_id: str, replica_groups: int) -> int:

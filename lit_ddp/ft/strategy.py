@@ -49,8 +49,7 @@ from lit_ddp import compat
 from lit_ddp.errors import UsageError
 from lit_ddp.ft import data
 from lit_ddp.ft.heal import PeerState
-from lit_ddp.launch import loopback
-from lit_ddp.strategies import DDPStrategy
+from lit_ddp.strategies import DDPStrategy, loopback
 
 EXTRA = 'torchft is not installed: pip install -e ".[torchft]" (the torchft extra)'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"

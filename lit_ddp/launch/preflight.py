@@ -1,6 +1,7 @@
 """The checks of the launch, the machine and the command line that run before any process starts: one error type,
-one ``lit-ddp: error:`` line. (The text data and a checkpoint's model size are checked as early, in
-:mod:`lit_ddp.launch.text_check` and :mod:`lit_ddp.launch.model_size`.)
+one ``lit-ddp: error:`` line. :func:`run_checks` lists every one of them in the order they run, each once per
+command; the text data, a checkpoint's model size and the launchers' variables are checked in modules of their own
+(:mod:`lit_ddp.launch.text_check`, :mod:`lit_ddp.launch.model_size`, :mod:`lit_ddp.launch.variables`).
 
 Each check raises :class:`~lit_ddp.errors.UsageError` naming the bad value and what would be right; the CLI prints it
 once (rank/task zero) as ``lit-ddp: error: ...`` and exits with status 2, before anything is instantiated, so
@@ -282,7 +283,7 @@ def check_master_addr(env: Mapping[str, str] | None = None, timeout: float = RES
     """
     env = os.environ if env is None else env
     addr = env.get("MASTER_ADDR")
-    if not addr:  # unset or empty: loopback (lit_ddp.launch.loopback)
+    if not addr:  # unset or empty: loopback (lit_ddp.strategies.loopback)
         return
     failed: list[str] = []
     done = threading.Event()
@@ -346,6 +347,69 @@ def check_replica_group(trainer: Any, env: Mapping[str, str] | None = None) -> N
             "with lit_ddp.ft.strategy.TorchFTStrategy (compose configs/trainer/torchft.yaml after the other trainer "
             "fragments); within a group, one process or DDP (--nproc_per_group), not FSDP2 or tensor parallelism"
         )
+
+
+STAGES = ("arguments", "parsed", "built")
+"""Where the CLI runs :func:`run_checks`: on the command line before the config is parsed, on the parsed config before
+LightningCLI reads ``--ckpt_path``, and before anything is instantiated."""
+
+
+def run_checks(stage: str, argv: list[str] | None = None, config: Any = None) -> dict[str, Any] | None:
+    """Every check lit-ddp makes before anything starts, in the order a user meets the problems; the CLI calls it
+    at each of :data:`STAGES`, when the checks' inputs exist:
+
+    ``"arguments"`` (``argv``: the command line, before the config is parsed)
+      1. the launchers' integer variables (:func:`lit_ddp.launch.variables.check_launch_variables`; ``python -m
+         lit_ddp`` ran it before Lightning was imported, and it runs once per process);
+      2. every ``--config`` file is valid YAML (:func:`check_config_files`);
+    ``"parsed"`` (``config``: the subcommand's parsed config, before LightningCLI reads ``--ckpt_path``)
+      3. ``--weights_only`` is not false;
+      4. ``--ckpt_path`` exists, is whole and loads weights-only (:func:`check_ckpt_path`);
+      5. its hyperparameters are the configured task's own arguments (:func:`check_ckpt_matches_config`);
+    ``"built"`` (``config``: the subcommand's config, before anything is instantiated)
+      6. a torchft replica group names its strategy (:func:`check_replica_group`);
+      7. the launch: torchrun's and srun's layouts against the config (:func:`check_launch`);
+      8. the machine: devices, precision (:func:`check_trainer`);
+      9. ``MASTER_ADDR`` resolves and ``MASTER_PORT`` is free (:func:`check_master_addr`, :func:`check_master_port`);
+      10. ``--ckpt_path``'s tensors fit the model the config builds (:func:`lit_ddp.launch.model_size.check_ckpt_builds_model`);
+      11. the text the data module reads is UTF-8 (:func:`lit_ddp.launch.text_check.check_text_data`).
+
+    Returns:
+        at ``"parsed"``, ``--ckpt_path``'s header where one is given (read once: the resume takes its step), else None.
+
+    Raises:
+        UsageError: the first problem found (an ``UntrustedFileError`` for a refused file).
+    """
+    from lit_ddp.launch.variables import check_launch_variables
+    from lit_ddp.run_dir.untrusted import UntrustedFileError
+
+    if stage == "arguments":
+        check_launch_variables()
+        check_config_files(list(argv or []))
+        return None
+    if stage == "parsed":
+        if config.get("weights_only") is False:
+            raise UntrustedFileError(
+                "--weights_only false: lit-ddp loads checkpoints weights-only (tensors and plain data), whatever "
+                "their source (docs/security.md); a checkpoint you trust that holds other objects: load it with "
+                "torch.load(weights_only=False) yourself and save what it holds as tensors"
+            )
+        ckpt_path = config.get("ckpt_path")
+        check_ckpt_path(ckpt_path)
+        header = None
+        if ckpt_path is not None and ckpt_path not in layout.CKPT_PATH_KEYWORDS:
+            header = checkpoint_header(str(ckpt_path))
+        check_ckpt_matches_config(ckpt_path, config.get("model"), header)
+        return header
+    if stage == "built":
+        from lit_ddp.launch.model_size import check_ckpt_builds_model
+        from lit_ddp.launch.text_check import check_text_data
+
+        run_preflight(config.get("trainer"))
+        check_ckpt_builds_model(config.get("ckpt_path"), config.get("model"))
+        check_text_data(config.get("data"))
+        return None
+    raise ValueError(f"run_checks: stage {stage!r} is not one of {STAGES}")
 
 
 def run_preflight(trainer: Any, env: Mapping[str, str] | None = None) -> None:
@@ -474,7 +538,7 @@ def _names_a_class(value: Any, max_items: int = 100_000) -> bool:
     return bool(pending)  # too large to walk: treated as naming one
 
 
-def check_ckpt_matches_config(ckpt_path: str | None, model_config: Any) -> None:
+def check_ckpt_matches_config(ckpt_path: str | None, model_config: Any, header: dict[str, Any] | None = None) -> None:
     """Checks an explicit ``--ckpt_path`` against the config's model before anything is built (reading only
     the checkpoint's small ``data.pkl`` record). LightningCLI re-parses the checkpoint's hyperparameters over
     the config: a checkpoint of another task would silently build that task's model; a saved value
@@ -484,10 +548,13 @@ def check_ckpt_matches_config(ckpt_path: str | None, model_config: Any) -> None:
     Raises:
         UsageError: the checkpoint was written by another LightningModule than the config's ``model``.
         UntrustedFileError: its hyperparameters name a class or hold what the configured class does not take.
+
+    ``header``: the checkpoint's header where the caller read it already (else it is read here).
     """
     if ckpt_path is None or ckpt_path in layout.CKPT_PATH_KEYWORDS:
         return
-    hparams = checkpoint_header(str(ckpt_path)).get("hyper_parameters") or {}
+    header = checkpoint_header(str(ckpt_path)) if header is None else header
+    hparams = header.get("hyper_parameters") or {}
     saved_class = hparams.get("_class_path") if isinstance(hparams, dict) else None
     class_path = config_value(model_config, "class_path")
     if saved_class and class_path and saved_class != class_path:

@@ -9,6 +9,7 @@ read the others when processes start: a value that is not a number ends in a Val
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from lit_ddp.errors import int_from_env
@@ -34,11 +35,22 @@ LAUNCH_VARIABLES: dict[str, tuple[str, int]] = {
 """Each variable read as an integer: what it holds and who sets it, and its smallest value."""
 
 
+_checked: dict[str, str | None] | None = None  # the values this process's environment held when last found good
+
+
 def check_launch_variables(env: Mapping[str, str] | None = None) -> None:
-    """Checks that each of :data:`LAUNCH_VARIABLES` that is set holds a whole number (at least its minimum).
+    """Checks that each of :data:`LAUNCH_VARIABLES` that is set holds a whole number (at least its minimum); in this
+    process's environment, once while its values stay the same (``python -m lit_ddp`` checks before it imports
+    Lightning, the CLI again where it is called from Python).
 
     Raises:
         UsageError: the first that does not, named with its value.
     """
+    global _checked
+    values = {name: (os.environ if env is None else env).get(name) for name in LAUNCH_VARIABLES}
+    if env is None and values == _checked:
+        return
     for name, (meaning, minimum) in LAUNCH_VARIABLES.items():
         int_from_env(name, env, minimum, meaning)
+    if env is None:
+        _checked = values

@@ -12,7 +12,7 @@ unreadable; each rank chooses for itself. Here, in the order a ``fit`` meets the
    checkpoint connector resolves through steps 2 and 3 once the process group exists, or the user's
    ``--ckpt_path`` (a rollback sets later checkpoints aside).
 
-What a resume then puts back is :mod:`lit_ddp.resilience.restore`.
+What a resume then puts back is :mod:`lit_ddp.resilience.state`.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def list_candidates(root_dir: str, checkpoint_dir: str | None = None) -> list[tu
     return candidates
 
 
-def choose(candidates: list[tuple[int, str]], root_dir: str) -> str | None:
-    """The valid checkpoint with the highest recorded step among ``candidates`` (:func:`list_candidates`), or None
-    when there are none. Only the chosen file is read in full (its CRCs); one that is not valid (cut short by a
+def choose(candidates: list[tuple[int, str]], root_dir: str) -> tuple[int, str] | None:
+    """The valid checkpoint with the highest recorded step among ``candidates`` (:func:`list_candidates`), as
+    ``(step, path)``, or None when there are none. Only the chosen file is read in full (its CRCs); one that is not valid (cut short by a
     kill) is named in a warning and the next one tried.
 
     Raises:
@@ -75,7 +75,7 @@ def choose(candidates: list[tuple[int, str]], root_dir: str) -> str | None:
         if step < 0:
             break
         if is_valid_checkpoint(path):
-            return path
+            return step, path
         log.warning("Checkpoint %s is truncated or unreadable; falling back to an older one.", path)
     if candidates:
         raise _no_valid_checkpoint(root_dir, candidates)
@@ -88,7 +88,8 @@ def choose_checkpoint(root_dir: str, checkpoint_dir: str | None = None) -> str |
     Raises:
         NoValidCheckpointError: checkpoints exist but none is valid.
     """
-    return choose(list_candidates(root_dir, checkpoint_dir), root_dir)
+    chosen = choose(list_candidates(root_dir, checkpoint_dir), root_dir)
+    return None if chosen is None else chosen[1]
 
 
 def _no_valid_checkpoint(root_dir: str, candidates: list[tuple[int, str]]) -> NoValidCheckpointError:
@@ -99,25 +100,28 @@ def _no_valid_checkpoint(root_dir: str, candidates: list[tuple[int, str]]) -> No
     )
 
 
-def agree(trainer: Any, choice: tuple[str | None, str | None]) -> str | None:
-    """Rank zero's ``choice`` (a path or None, and the error it met or None), broadcast; every rank checks that it
-    can read the path. Collective: every rank must call it (others pass anything).
+def agree(trainer: Any, choice: tuple[tuple[int, str] | None, str | None]) -> tuple[int, str] | None:
+    """Rank zero's ``choice`` (its ``(step, path)`` or None, and the error it met or None), broadcast; every other
+    rank checks that it can read the path (its header, the one read of it there). Collective: every rank must call
+    it (others pass anything).
 
     Raises:
         NoValidCheckpointError: on every rank, when rank zero found checkpoints but none is valid.
         ResumePointError: on every rank, when some rank cannot read the chosen file; the message names the
             path and each such rank and host.
     """
-    path, error = trainer.strategy.broadcast(choice, src=0)
+    chosen, error = trainer.strategy.broadcast(choice, src=0)
     if error is not None:
         raise NoValidCheckpointError(error)
-    if path is None:
+    if chosen is None:
         return None
-    try:
-        checkpoint_step(path)
-        readable = True
-    except ValueError:
-        readable = False
+    step, path = chosen
+    readable = True
+    if not trainer.is_global_zero:
+        try:
+            readable = checkpoint_step(path) == step
+        except ValueError:
+            readable = False
     mine = (trainer.global_rank, socket.gethostname(), readable)
     everyone: list[Any] = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -129,10 +133,10 @@ def agree(trainer: Any, choice: tuple[str | None, str | None]) -> str | None:
             f"rank 0 chose to resume from {path}, which {', '.join(blind)} cannot read: the run directory "
             f"({trainer.default_root_dir}) must be on storage that every node shares, with the same path on each"
         )
-    return path
+    return step, path
 
 
-def start_from(trainer: Trainer, ckpt_path: str | None, fit: bool) -> str | None:
+def start_from(trainer: Trainer, ckpt_path: str | None, fit: bool, given_step: int | None = None) -> str | None:
     """The ``ckpt_path`` to hand Lightning: without one, :data:`RESUME_AUTO`, the run directory's newest valid
     checkpoint, chosen once every rank has joined (``fit`` resumes it, ``validate`` / ``test`` evaluate it; a
     warning says when there is none); Lightning's names (``last``, ``best``, ``hpc``, ``registry``) as given; a
@@ -141,6 +145,7 @@ def start_from(trainer: Trainer, ckpt_path: str | None, fit: bool) -> str | None
     ``fit`` with a path is honoured once per job: its first attempt resumes from it and sets the run directory's
     checkpoints of later steps aside (:func:`~lit_ddp.run_dir.checkpoints.set_aside_later_checkpoints`); a torchrun
     restart or Slurm requeue of the same job resumes from what it saved since (the path while it saved nothing).
+    ``given_step``: the ``global_step`` of ``ckpt_path``, where the caller read its header already (else read here).
     Collective: every rank must call it.
 
     Raises:
@@ -151,25 +156,28 @@ def start_from(trainer: Trainer, ckpt_path: str | None, fit: bool) -> str | None
         return ckpt_path
     if ckpt_path is not None:
         ckpt_path = untrusted.local_path(ckpt_path)
+    if ckpt_path is not None and not fit:
+        return ckpt_path
+    if ckpt_path is not None and given_step is None:
+        given_step = checkpoint_step(ckpt_path)
     if ckpt_path is not None and fit and restart_count() == 0:
         if trainer.is_global_zero:  # a rollback: the newer files are abandoned
-            set_aside_later_checkpoints(root, layout.checkpoint_dir(root), str(ckpt_path))
+            set_aside_later_checkpoints(root, layout.checkpoint_dir(root), str(ckpt_path), int(given_step or 0))
         trainer.strategy.barrier("lit_ddp_later_checkpoints_moved")
-        return ckpt_path
-    if ckpt_path is not None and not fit:
         return ckpt_path
     candidates = list_candidates(root, layout.checkpoint_dir(root))  # before the logger writes anything
     given = ckpt_path
 
     def resolve() -> str | None:  # once the process group exists (Lightning's checkpoint connector calls it)
-        choice: tuple[str | None, str | None] = (None, None)
+        choice: tuple[tuple[int, str] | None, str | None] = (None, None)
         if trainer.is_global_zero:
             try:
                 choice = (choose(candidates, root), None)
             except NoValidCheckpointError as e:
                 choice = (None, str(e))
-        path = agree(trainer, choice)
-        if given is not None and (path is None or checkpoint_step(path) < checkpoint_step(given)):
+        chosen = agree(trainer, choice)
+        path = None if chosen is None else chosen[1]
+        if given is not None and given_step is not None and (chosen is None or chosen[0] < given_step):
             path = given  # this job has saved nothing since it started from --ckpt_path
         if path is not None:
             path = untrusted.local_path(path)

@@ -6,7 +6,9 @@
   ones aside, removing superseded preemption checkpoints;
 - :mod:`~lit_ddp.run_dir.lock`: one live job per run directory;
 - :mod:`~lit_ddp.run_dir.atomic`, :mod:`~lit_ddp.run_dir.sharded`: files and sharded checkpoint directories that
-  appear whole or not at all.
+  appear whole or not at all;
+- :mod:`~lit_ddp.run_dir.untrusted`, :mod:`~lit_ddp.run_dir.inert`: how files someone else may have written are
+  read (weights-only, checked first, headers and DCP metadata without an unpickler).
 
 It imports nothing of the package but :mod:`lit_ddp.errors` and :mod:`lit_ddp.compat`, so every layer may use it.
 """

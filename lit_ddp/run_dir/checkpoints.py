@@ -9,9 +9,7 @@ running code from the file. Choosing the resume point among them, on every rank,
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import os
 import posixpath
 import shutil
@@ -78,36 +76,19 @@ def _open(path: str) -> Iterator[IO[bytes]]:
             yield f
 
 
-HEADERS_KEPT = 64
-"""How many checkpoint headers a process keeps (a few KB each): a resume reads every one of the run directory's
-several times (ranking, choosing, the hyperparameter check)."""
-_headers: collections.OrderedDict[tuple[str, str], dict[str, Any]] = collections.OrderedDict()
-
-
 def checkpoint_header(path: str) -> dict[str, Any]:
     """A checkpoint's dictionary without its tensors, reading only its ``data.pkl`` record (a few KB), locally or
     through fsspec, and building nothing it names (:func:`lit_ddp.run_dir.untrusted.read_archive`: tensors are
     :class:`~lit_ddp.run_dir.inert.TensorRecord`, other objects inert records). For a sharded checkpoint's
-    directory, that of its ``meta.pt`` (all but the parameters and optimizer states).
-
-    Each file is read once per process while it stays the same: a later call returns a copy of the first read unless
-    fsspec's ``ukey`` of the file (its size, times and inode locally, its ETag on an object store) has changed, as an
-    atomic replace (a new inode) or a rewrite changes it. A rewrite in place that keeps the size and ends within the
-    same tick of the file system's clock as the previous write, a few ms, would not be seen: lit-ddp's writes are
-    atomic replaces.
+    directory, that of its ``meta.pt`` (all but the parameters and optimizer states). Read afresh at each call: a
+    resume reads each candidate's once, and passes on what it read (:mod:`lit_ddp.resilience.resume`).
 
     Raises:
         ValueError: not a readable torch checkpoint.
         UntrustedFileError: a planted file (see :func:`is_valid_checkpoint`).
     """
-    meta = sharded.meta_path(path)
     try:
-        fs, local = url_to_fs(meta)
-        key = (meta, fs.ukey(local))
-        if key in _headers:
-            _headers.move_to_end(key)
-            return copy.deepcopy(_headers[key])
-        with _open(meta) as f:
+        with _open(sharded.meta_path(path)) as f:
             data = untrusted.read_archive(f, path).header
     except untrusted.UntrustedFileError:
         raise
@@ -115,9 +96,6 @@ def checkpoint_header(path: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a checkpoint dictionary")
-    _headers[key] = copy.deepcopy(data)
-    while len(_headers) > HEADERS_KEPT:
-        _headers.popitem(last=False)
     return data
 
 
@@ -189,13 +167,12 @@ def _names(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
         return []
 
 
-def set_aside_later_checkpoints(root_dir: str, checkpoint_dir: str, given: str) -> list[str]:
-    """Moves every checkpoint of the run directory of a later step than ``given``'s into
+def set_aside_later_checkpoints(root_dir: str, checkpoint_dir: str, given: str, step: int) -> list[str]:
+    """Moves every checkpoint of the run directory of a later step than ``given``'s (``step``) into
     ``<root_dir>/set_aside/<UTC time>/``: resuming from an older checkpoint abandons them, and a later automatic
     resume (a restart, a requeue) must not jump forward onto them. ``given`` itself, however it is spelled, and
     its step's other files (``last.ckpt`` beside ``epoch=N-step=S.ckpt``) stay. Nothing is deleted. Returns the
     moved paths. Rank zero only, before anything of the run is written."""
-    step = checkpoint_step(given)
     later = [p for s, p in ranked_checkpoints(root_dir, checkpoint_dir) if s > step]
     if not later:
         return []

@@ -5,6 +5,7 @@
     <root>/checkpoints/*.ckpt          checkpoint files (ModelCheckpoint), plus last.ckpt
     <root>/hpc_ckpt_N.ckpt             the preemption checkpoint (Lightning's name for it)
     <root>/set_aside/<UTC time>/       checkpoints of later steps than an explicit --ckpt_path's
+    <root>/lit_ddp_events.jsonl        what happened to the run (resumes, restore checks), one JSON line each
     <root>/.lit_ddp.lock               the lock of the job that uses the run directory
     <root>/.lit_ddp.holder.json        that job's host, pid and start time
 
@@ -40,6 +41,8 @@ HPC_GLOB = "hpc_ckpt_*.ckpt"
 STEP_IN_NAME = re.compile(r"step=(\d+)")
 """The step in a step checkpoint's name (``epoch=0-step=50.ckpt``)."""
 SET_ASIDE = "set_aside"
+EVENTS = "lit_ddp_events.jsonl"
+"""What happened to the run, one JSON record a line (:mod:`lit_ddp.run_dir.events`)."""
 LOCK_FILE = ".lit_ddp.lock"
 HOLDER_FILE = ".lit_ddp.holder.json"  # apart from the lock file, which filelock truncates when it opens it
 

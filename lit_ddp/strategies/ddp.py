@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp import compat
-from lit_ddp.launch import loopback
+from lit_ddp.strategies import loopback
 
 
 def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, Any]:
@@ -36,7 +36,7 @@ class DDPStrategy(compat.DDPOnTheTrainingStream):
     torch (:func:`ddp_buffer_kwargs`), so that one YAML (``configs/trainer/ddp.yaml``) runs without a warning or a
     rejected option from torch 2.9 to 2.15, and DDP built on the stream that trains
     (:class:`lit_ddp.compat.DDPOnTheTrainingStream`). A run on one machine listens on loopback only
-    (:mod:`lit_ddp.launch.loopback`); a run of one process (:attr:`one_process`) creates no process group and trains
+    (:mod:`lit_ddp.strategies.loopback`); a run of one process (:attr:`one_process`) creates no process group and trains
     the module unwrapped, so the same config trains one GPU without DDP's costs and several with DDP.
 
     Args:

@@ -32,9 +32,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lit_ddp import compat
-from lit_ddp.launch import loopback
 from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
 from lit_ddp.run_dir import sharded, untrusted
+from lit_ddp.strategies import loopback
 
 
 def forward_is_collective(module: nn.Module) -> bool:

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ddp.launch.main_job import GPU_CONFIGS, default_configs
-from tests.helpers import REPO, Runner, noise_lines
+from tests.helpers import REPO, Runner, main_job, noise_lines
+
+MAIN_JOB = main_job()
+CPU_CONFIGS, GPU_CONFIGS, default_configs = MAIN_JOB.CPU_CONFIGS, MAIN_JOB.GPU_CONFIGS, MAIN_JOB.default_configs
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lit_ddp.chaos.job import Job
-from lit_ddp.launch import loopback
+from lit_ddp.strategies import loopback
 from tests.helpers import QUIET, as_other_user, compose, needs_root, subprocess_env
 
 # The planter: every second, for each rendezvous id it can name (the ids lit-ddp chaos used before this test, and any

@@ -19,8 +19,10 @@ import torch
 import yaml
 
 from lit_ddp.cli import cli_main
-from lit_ddp.launch.main_job import CPU_CONFIGS, GPU_CONFIGS, default_configs
-from tests.helpers import CONFIGS, REPO, documented_commands, noise_lines, page_figures, step_commands
+from tests.helpers import CONFIGS, REPO, documented_commands, main_job, noise_lines, page_figures, step_commands
+
+MAIN_JOB = main_job()
+CPU_CONFIGS, GPU_CONFIGS, default_configs = MAIN_JOB.CPU_CONFIGS, MAIN_JOB.GPU_CONFIGS, MAIN_JOB.default_configs
 
 ALL = sorted(CONFIGS.rglob("*.yaml"))
 BASE = CONFIGS / "regression" / "single_device.yaml"
@@ -250,7 +252,7 @@ def composed(words: list[str]) -> list[str]:
 
 def test_make_train_chooses_the_cpu_config_here() -> None:
     """``make train`` composes the CPU main job where torch sees no CUDA device (this machine, this interpreter), as
-    ``lit_ddp.launch.main_job`` says; the README's ``make train`` commands are checked as that composition."""
+    ``scripts/main_job.py`` says; the README's ``make train`` commands are checked as that composition."""
     if torch.cuda.is_available():
         pytest.skip("torch sees a CUDA device here")
     assert default_configs() == CPU_CONFIGS
@@ -262,16 +264,16 @@ def test_make_train_chooses_the_gpu_config_where_cuda_is_reported(tmp_path: Path
     ``python`` that is this interpreter with ``torch.cuda.is_available`` answering True."""
     python = tmp_path / "bin" / "python"
     python.parent.mkdir()
-    report_cuda = "import runpy, sys, torch; torch.cuda.is_available = lambda: True; del sys.argv[:2]; "
-    report_cuda += "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
-    # the Makefile runs `python -m lit_ddp.launch.main_job`: argv[1:] is ['-m', 'lit_ddp.launch.main_job']
+    report_cuda = "import runpy, sys, torch; torch.cuda.is_available = lambda: True; del sys.argv[:1]; "
+    report_cuda += "runpy.run_path(sys.argv[0], run_name='__main__')"
+    # the Makefile runs `python scripts/main_job.py`: argv[1:] is ['scripts/main_job.py']
     python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(report_cuda)} "$@"\n')
     python.chmod(0o755)
     assert composed(make_train_command(python)) == list(GPU_CONFIGS)
 
 
 def test_default_configs_follow_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the Makefile asks (``python -m lit_ddp.launch.main_job``): the GPU main job where torch reports a CUDA
+    """What the Makefile asks (``python scripts/main_job.py``): the GPU main job where torch reports a CUDA
     device, the CPU one otherwise; both exist."""
     for available, expected in ((True, GPU_CONFIGS), (False, CPU_CONFIGS)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)

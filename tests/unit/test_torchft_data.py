@@ -213,7 +213,7 @@ def test_a_healed_group_trains_its_share_of_its_peers_batch(
             taken.update(transported(peer_state.state_dict()))
 
     peer, peer_module = fit(monkeypatch, 0, max_steps=step + 1, on_quorum=take, module_class=module_class)
-    assert taken["loop"]["optimizer_steps"] == step
+    assert taken["exact_resume"]["in_step"]["optimizer_steps"] == step
 
     def heal(call: int, peer_state: Any) -> None:
         if call == 1:

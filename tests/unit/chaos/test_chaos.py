@@ -20,6 +20,7 @@ from lit_ddp.chaos.compare import compare_scalars, first_difference
 from lit_ddp.chaos.job import Fault, Job
 from lit_ddp.chaos.replica_groups import current_pids, group_dirs, print_group_faults
 from lit_ddp.cli import cli_main
+from lit_ddp.run_dir import events
 
 FIT = ["--", "--config", "configs/regression/single_device.yaml"]
 
@@ -128,7 +129,7 @@ class _JobWhoseProbeDiesWithItsWriter:
 
     def __init__(self, root: Path, faults: int) -> None:
         self.root, self.faults, self.step, self.injected = root, faults, 0, []
-        self.unreadable, self.resumed = False, ""
+        self.unreadable = False
         (root / "checkpoints").mkdir()
         self._save(50)
 
@@ -159,12 +160,12 @@ class _JobWhoseProbeDiesWithItsWriter:
     def inject(self, fault: Fault, deadline: float) -> str:
         self.injected.append((fault.kind, self.step))
         self.unreadable = True
-        self.resumed += f"Resumed from last.ckpt at global_step {self.step // 50 * 50}\n"
+        events.record(self.root, events.RESUMED, path="last.ckpt", global_step=self.step // 50 * 50)
         self._save(self.step // 50 * 50 + 50)
         return "rank 0"
 
     def output(self) -> str:
-        return self.resumed
+        return ""
 
 
 def test_a_fault_counts_once_when_the_job_cannot_say_where_it_hit(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lit_ddp.data.regression import RegressionDataModule
 from lit_ddp.errors import RestoreMismatchError, UsageError
 from lit_ddp.resilience.exact_resume import ExactResume
-from lit_ddp.resilience.restore_check import first_mismatch, promised
+from lit_ddp.resilience.restore_check import first_mismatch, saved_leaves
 from lit_ddp.tasks.regression import RegressionModule
 from tests.callbacks import ForgetLoaderPosition, NudgeBeforeTheCheck
 
@@ -118,7 +118,7 @@ def test_another_world_size_compares_the_state_but_not_the_rng_streams() -> None
     """Rank r restores rank (r mod n)'s RNG streams there by design; the module and optimizers under DDP are the
     same global state on every rank, and still compared."""
     checkpoint = {"global_step": 6, "state_dict": {"w": torch.ones(2)}, "optimizer_states": [], "lr_schedulers": []}
-    same = promised(checkpoint, {"torch": torch.arange(3)}, tensors=True)
-    other = promised(checkpoint, None, tensors=True)
+    same = saved_leaves(checkpoint, {"torch": torch.arange(3)}, tensors=True)
+    other = saved_leaves(checkpoint, None, tensors=True)
     assert "rng/torch" in same and not any(k.startswith("rng") for k in other)
     assert other["parameters/w"] is checkpoint["state_dict"]["w"] and other["global_step"] == 6

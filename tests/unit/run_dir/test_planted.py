@@ -297,7 +297,7 @@ def test_a_tensor_larger_than_its_storage_is_refused(tmp_path: Path) -> None:
 # Case 8: symbolic links to directories.
 
 
-@pytest.mark.parametrize("link", ["run directory", "checkpoint directory"])
+@pytest.mark.parametrize("link", ["run directory", "checkpoint directory"], ids=["run", "checkpoints"])
 def test_a_symlinked_run_or_checkpoint_directory_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture, link: str
 ) -> None:

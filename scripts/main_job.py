@@ -1,8 +1,9 @@
 """Which configs ``make train`` composes: the main job on GPUs where torch sees a CUDA device, on CPUs otherwise.
 
-    python -m lit_ddp.launch.main_job   # prints them, as the Makefile's CONFIGS reads them
+    python scripts/main_job.py   # prints them, as the Makefile's CONFIGS reads them
 
-The Makefile asks when ``make train`` runs (after its venv exists); ``make train CONFIGS="..."`` chooses instead.
+The Makefile asks when ``make train`` runs (after its venv exists); ``make train CONFIGS="..."`` chooses instead. A
+script of the repository, not of the package: nothing of lit_ddp imports it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""lit_ddp.resilience.restore: RNG states per rank, the CUDA one of the rank's own device only (issue 21,
+"""lit_ddp.resilience.state: RNG states per rank, the CUDA one of the rank's own device only (issue 21,
 item 7), restored with fewer visible GPUs than were saved; simulated on CPU."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lit_ddp.resilience.restore import (
-    ResumeState,
+from lit_ddp.resilience.state import (
+    RankState,
     capture_rng,
     metric_states,
     restore_metric_states,
@@ -98,10 +98,10 @@ def test_state_dict_roundtrip_and_an_older_entry() -> None:
     """The four entries go into the checkpoint as they are and come back; an entry written before ``positions`` and
     ``metrics`` were recorded loads with them None (nothing to compare, nothing to restore)."""
     rng = capture_rng(torch.device("cpu"))
-    state = ResumeState(rng, [{"_num_yielded": 3}], [{"epoch": 0, "consumed": 96, "next_indices": [4, 1]}], {})
-    loaded = ResumeState()
+    state = RankState(rng, [{"_num_yielded": 3}], [{"epoch": 0, "consumed": 96, "next_indices": [4, 1]}], {})
+    loaded = RankState()
     loaded.load_state_dict(state.state_dict())
     assert loaded.state_dict() == state.state_dict()
-    older = ResumeState()
+    older = RankState()
     older.load_state_dict({"rng": rng, "train_loaders": [{"_num_yielded": 3}]})
     assert older.positions is None and older.metrics is None and older.train_loaders == [{"_num_yielded": 3}]
