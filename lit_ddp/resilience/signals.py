@@ -8,8 +8,8 @@ inside the handler, i.e. wherever the rank happens to be, which can interleave a
 returns; :class:`lit_ddp.resilience.preemption.PreemptionCheckpoint` acts on it at the next optimizer-step
 boundary, where every rank is at the same point.
 
-Standard library only: ``lit_ddp.__main__`` installs the SIGUSR1 handler before importing Lightning (about
-5 s here), so a signal during start-up is not fatal either.
+Standard library only: ``lit_ddp.__main__`` installs the SIGUSR1 handler before importing Lightning (seconds of
+imports), so a signal during start-up is not fatal either.
 
 A handler that only records has one gap: Python runs it in the main thread between two bytecodes, so a rank
 blocked inside a collective whose peer is gone (NCCL's survivors see no error; a peer that hangs does the
