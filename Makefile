@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python scripts/main_job.py)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-speed bench-recovery bench-fsdp bench-gpu bench-launches bench-syncs clean \
+.PHONY: venv train test test-fast lint format bench bench-startup bench-speed bench-recovery bench-fsdp bench-gpu bench-launches bench-syncs clean \
 	step1 step2 step3 step4 step5 notebooks
 
 $(BIN)/.installed: pyproject.toml
@@ -86,6 +86,11 @@ test-fast: venv
 test-torch:
 	$(if $(TORCH),,$(error say which torch: make test-torch TORCH=2.15.0))
 	PYTHON=$(PYTHON) TEST_WORKERS=$(TEST_WORKERS) bash scripts/test_torch.sh $(TORCH)
+
+# Start-up part by part, lit-ddp fit against a bare Lightning Trainer.fit of the same module (a minute or two;
+# BENCH_ARGS="--devices 2 --configs configs/trainer/ddp.yaml configs/mingpt/cpu.yaml": make train's job).
+bench-startup: venv
+	$(BIN)/python -m bench.startup $(BENCH_ARGS)
 
 # What checkpointing costs per step (synchronous vs asynchronous saves).
 bench: venv

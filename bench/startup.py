@@ -1,0 +1,218 @@
+"""Start-up, part by part: from a process's start to its first optimizer step, ``lit-ddp fit`` against a bare
+``lightning.pytorch.Trainer.fit`` of the same LightningModule and DataModule (``make bench-startup``; docs/speed.md,
+"Start-up").
+
+Each variant runs in a fresh process (``python -m bench.startup --child ...``), by turns (:func:`alternate`), on CPU,
+``max_steps`` 1; rank zero writes when each part ends (``perf_counter`` seconds since the process started, the
+process's start read from ``/proc``). The parts:
+
+- ``interpreter``: the process's start to the first line of this script;
+- ``torch + Lightning``: ``import lightning.pytorch, jsonargparse`` and Lightning's CLI (what any Lightning CLI pays);
+- ``lit-ddp imports``: ``import lit_ddp.cli`` beyond those;
+- ``parse``: LightningCLI's parse and config composition (the pre-start checks' time taken out);
+- ``checks``: lit-ddp's pre-start checks (``lit_ddp.launch.preflight.run_checks``, every stage);
+- ``build``: the module, data module and Trainer instantiated (lit-ddp: its callbacks, logger and checkpoint IO
+  too), up to ``trainer.fit``;
+- ``process group``: ``trainer.fit`` to the strategy's environment set up (its process group created);
+- ``first step``: from there to the end of the first optimizer step (the data's and module's set-up, DDP's wrap,
+  the resume point chosen, the first batch).
+
+The bare fit has no ``lit-ddp imports``, ``parse`` or ``checks``. lit-ddp's own share is its total less the bare
+fit's. ``--configs``: the run (default: the regression of the README's step 1; ``--devices 2`` with
+``configs/trainer/ddp.yaml configs/mingpt/cpu.yaml`` is ``make train``'s on 2 processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+STARTED = time.perf_counter()  # before anything else of this module: the first line it runs
+
+import argparse  # noqa: E402 - after the first line's clock
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+PARTS = [
+    "interpreter",
+    "torch + Lightning",
+    "lit-ddp imports",
+    "parse",
+    "checks",
+    "build",
+    "process group",
+    "first step",
+]
+MARKS_ENV = "BENCH_STARTUP_MARKS"
+
+
+def _process_age() -> float:
+    """Seconds since this process started (``/proc/self/stat``'s start time against the system's uptime)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/self/stat") as f:
+        started = int(f.read().rsplit(")", 1)[1].split()[19]) / ticks
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - started
+
+
+class Marks:
+    """When each part ended, in seconds since the process started, written by rank zero at the first step."""
+
+    def __init__(self) -> None:
+        self.offset = _process_age() - (time.perf_counter() - STARTED) - STARTED  # perf_counter -> process age
+        self.times: dict[str, float] = {"interpreter": STARTED + self.offset}
+        self.checks = 0.0
+
+    def mark(self, part: str) -> None:
+        self.times[part] = time.perf_counter() + self.offset
+
+    def write(self) -> None:
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0" and MARKS_ENV in os.environ:
+            Path(os.environ[MARKS_ENV]).write_text(json.dumps({**self.times, "checks time": self.checks}))
+
+
+MARKS = Marks()
+
+
+def _first_step_callback() -> Any:
+    from lightning.pytorch import Callback
+
+    class FirstStep(Callback):
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            MARKS.mark("process group")  # Lightning calls it once the strategy's environment is set up
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 1 and "first step" not in MARKS.times:
+                MARKS.mark("first step")
+                MARKS.write()
+
+    return FirstStep()
+
+
+def child_lit_ddp(configs: list[str], devices: int, root: str) -> None:
+    import jsonargparse  # noqa: F401
+    import lightning.pytorch  # noqa: F401
+    import lightning.pytorch.cli  # noqa: F401
+
+    MARKS.mark("torch + Lightning")
+    from lit_ddp import cli
+    from lit_ddp.launch import preflight
+
+    MARKS.mark("lit-ddp imports")
+    checks = preflight.run_checks
+
+    def timed_checks(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return checks(*args, **kwargs)
+        finally:
+            MARKS.checks += time.perf_counter() - t0
+
+    cli.run_checks = timed_checks  # type: ignore[assignment]  # the CLI's own reference
+
+    class Timed(cli.LitDDPCLI):
+        def before_instantiate_classes(self) -> None:
+            MARKS.mark("parse")
+            super().before_instantiate_classes()
+
+        def before_fit(self) -> None:
+            MARKS.mark("build")
+            super().before_fit()
+
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            kwargs.setdefault("callbacks", [])
+            trainer = super().instantiate_trainer(**kwargs)
+            trainer.callbacks.append(_first_step_callback())
+            return trainer
+
+    args = ["fit", *(a for c in configs for a in ("--config", c)), "--trainer.devices", str(devices)]
+    args += ["--trainer.max_steps", "1", "--trainer.default_root_dir", root, "--trainer.enable_progress_bar", "false"]
+    cli.LitDDPCLI = Timed  # type: ignore[misc]  # what cli_main builds: the command as users run it
+    cli.cli_main(args)
+
+
+def child_lightning(configs: list[str], devices: int, root: str) -> None:
+    import jsonargparse  # noqa: F401
+    import lightning.pytorch  # noqa: F401
+    import lightning.pytorch.cli  # noqa: F401
+
+    MARKS.mark("torch + Lightning")
+    import importlib
+
+    import yaml
+    from lightning.pytorch import Trainer, seed_everything
+
+    def built(section: dict[str, Any]) -> Any:
+        module, _, name = section["class_path"].rpartition(".")
+        return getattr(importlib.import_module(module), name)(**(section.get("init_args") or {}))
+
+    merged: dict[str, Any] = {}
+    for path in configs:
+        for key, value in (yaml.safe_load(Path(path).read_text()) or {}).items():
+            merged[key] = value if key in ("model", "data") else {**merged.get(key, {}), **(value or {})}
+    seed_everything(1337)
+    model, data = built(merged["model"]), built(merged["data"])
+    trainer = Trainer(accelerator="cpu", devices=devices, max_steps=1, default_root_dir=root,
+                      enable_progress_bar=False, callbacks=[_first_step_callback()])  # fmt: skip
+    MARKS.mark("build")
+    trainer.fit(model, data)
+
+
+def measure(variant: str, configs: list[str], devices: int) -> dict[str, float]:
+    """One fresh process of ``variant`` (``lit-ddp`` or ``Lightning``): the seconds of each part."""
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as work:
+        marks = Path(work, "marks.json")
+        cmd = [sys.executable, "-m", "bench.startup", "--child", variant, "--devices", str(devices),
+               "--root", str(Path(work, "run")), "--configs", *configs]  # fmt: skip
+        env = {**os.environ, MARKS_ENV: str(marks), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0 or not marks.exists():
+            raise RuntimeError(f"{variant} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        times = json.loads(marks.read_text())
+    seconds: dict[str, float] = {}
+    previous = 0.0
+    for part in PARTS:
+        if part in times:
+            seconds[part] = times[part] - previous
+            previous = times[part]
+    if "parse" in seconds:  # the checks run inside the parse (two stages) and before the build (one)
+        seconds["checks"] = times["checks time"]
+        seconds["parse"] -= times["checks time"]
+    seconds["total"] = previous
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["configs/regression/single_device.yaml"])
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes of each variant, by turns")
+    parser.add_argument("--child", choices=["lit-ddp", "Lightning"], help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        (child_lit_ddp if args.child == "lit-ddp" else child_lightning)(args.configs, args.devices, args.root)
+        return 0
+    from bench.harness.measure import alternate, markdown_table
+
+    print(f"start-up of {' + '.join(args.configs)} on {args.devices} CPU process(es), {args.rounds} rounds by turns")
+    runs = alternate(
+        {v: (lambda v=v: measure(v, args.configs, args.devices)) for v in ("lit-ddp", "Lightning")}, args.rounds
+    )
+    median = {v: {p: statistics.median(r[p] for r in rs) for p in rs[0]} for v, rs in runs.items()}
+    rows = [[p, *(f"{median[v][p]:.2f}" if p in median[v] else "-" for v in median)] for p in [*PARTS, "total"]]
+    print(markdown_table(["part (median s)", *median], rows))
+    own = median["lit-ddp"]["total"] - median["Lightning"]["total"]
+    print(f"lit-ddp's own share of launch to the first step: {own:.2f} s "
+          f"({median['lit-ddp']['total']:.2f} s against a bare Trainer.fit's {median['Lightning']['total']:.2f} s)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
