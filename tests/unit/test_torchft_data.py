@@ -65,13 +65,24 @@ class ScriptedManager:
 
     def __init__(self, peer_state: Any, discard: set[int], on_quorum: Callable[[int, Any], None] | None) -> None:
         self.peer_state, self.discard, self.on_quorum, self.calls = peer_state, discard, on_quorum, 0
+        self.committed = 0
 
     def start_quorum(self) -> None:
         self.calls += 1
         if self.on_quorum is not None:
             self.on_quorum(self.calls, self.peer_state)
 
+    def num_participants(self) -> int:
+        return GROUPS
+
+    def errored(self) -> None:
+        return None
+
+    def current_step(self) -> int:
+        return self.committed
+
     def should_commit(self) -> bool:
+        self.committed += self.calls not in self.discard
         return self.calls not in self.discard
 
     def shutdown(self, wait: bool = True) -> None:
@@ -232,7 +243,7 @@ class Participants:
     """A manager whose quorums hold the given numbers of groups, one per ``start_quorum`` (the last repeated)."""
 
     def __init__(self, counts: list[int]) -> None:
-        self.counts, self.calls = counts, 0
+        self.counts, self.calls, self.reported = counts, 0, []
 
     def start_quorum(self) -> None:
         self.calls += 1
@@ -240,30 +251,54 @@ class Participants:
     def num_participants(self) -> int:
         return self.counts[min(self.calls, len(self.counts)) - 1]
 
+    def errored(self) -> None:
+        return None
 
-def test_a_group_resumed_from_disk_waits_for_every_group_then_for_no_longer_than_the_quorum_timeout() -> None:
-    """Before its first step a group resumed from disk asks for the quorum again until every group is in it (so an
-    older checkpoint heals from the newest rather than training alone), and goes on after ``quorum_timeout`` with
-    the groups there; it waits only once."""
+    def report_error(self, e: Exception) -> None:
+        self.reported.append(e)
+
+
+def settle(counts: list[int], timeout_s: float = 60.0) -> tuple[TorchFTStrategy, float]:
+    """A group's first step's quorum settled (:meth:`TorchFTStrategy._settle_quorum`) over quorums of ``counts``
+    groups; the strategy and the seconds it took."""
     import datetime
     import time
 
-    strategy = TorchFTStrategy(replica_id="group_1", replica_groups=GROUPS)
-    strategy.groups = GROUPS
-    strategy.manager = Participants([1, 1, GROUPS])
+    strategy = TorchFTStrategy(
+        replica_id="group_1", replica_groups=GROUPS, quorum_timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    strategy.groups, strategy.parallel_devices = GROUPS, [torch.device("cpu")]  # one process
+    strategy.manager = Participants(counts)
     strategy.manager.start_quorum()  # the step's own quorum, as optimizer_step asks it first
-    strategy._await_every_group = True
-    strategy._quorum_of_every_group()
-    assert strategy.manager.calls == 3 and not strategy._await_every_group
-
-    strategy.quorum_timeout = datetime.timedelta(seconds=0.6)
-    strategy.manager = Participants([1])
-    strategy.manager.start_quorum()
     started = time.monotonic()
-    strategy._quorum_of_every_group()
-    waited = time.monotonic() - started
-    assert waited >= 0.6 and strategy.manager.calls >= 3  # it asked again for the whole timeout
-    assert waited < 10  # then went on: 0.6 s and one retry's 0.2 s, with room for a machine 3x slower and more
+    strategy._settle_quorum()
+    return strategy, time.monotonic() - started
+
+
+def test_a_cold_start_waits_for_every_group_a_restart_for_a_live_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the job's first start (``$TORCHFT_COLD_START``) a group's first step asks for the quorum again until every
+    group is in it (so that an older checkpoint heals from the newest rather than training alone), and goes on after
+    ``quorum_timeout`` with the groups there; a restarted group waits for one live peer, and without one exits
+    without training (it would train alone on a stale state). Each waits once, at its first step."""
+    from lit_ddp.ft.strategy import COLD_START_ENV, NoLivePeer
+
+    monkeypatch.setenv(COLD_START_ENV, "1")
+    strategy, _ = settle([1, 1, GROUPS])
+    assert strategy.manager.calls == 3 and not strategy.manager.reported
+    strategy.manager = Participants([1])
+    strategy._settle_quorum()  # the second step: no more waiting
+    assert strategy.manager.calls == 0
+
+    strategy, waited = settle([1], timeout_s=0.6)
+    assert 0.6 <= waited < 10 and strategy.manager.calls >= 3  # asked again for the whole timeout, then went on
+    assert not strategy.manager.reported  # with the groups there: the step goes on
+
+    monkeypatch.delenv(COLD_START_ENV)
+    strategy, _ = settle([1, 1, 2, 1])
+    assert strategy.manager.calls == 3  # a restart: one peer is enough
+    with pytest.raises(NoLivePeer, match="found no live group to heal from") as alone:
+        settle([1], timeout_s=0.6)
+    assert "\n" not in str(alone.value) and alone.value.exit_code == 3
 
 
 class EditsOnLoad(Indices):
