@@ -333,3 +333,74 @@ def test_a_heal_that_puts_back_another_state_than_the_peers_stops_before_trainin
     with pytest.raises(RestoreMismatchError, match=r"torchft heal: .* first at parameters/layer\.weight") as e:
         fit(monkeypatch, 1, max_steps=5, on_quorum=heal, module_class=EditsOnLoad)
     assert "\n" not in str(e.value)
+
+
+class Schedules(Indices):
+    """Draws from torch's RNG in every step (as dropout would) and steps a per-batch learning-rate schedule;
+    records ``(global_step, lr, draw)`` of every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float, float]] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.seen.append((self.trainer.global_step, lr, float(torch.rand(1))))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_a_discarded_step_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A discarded step's per-batch schedule does not step and its RNG draws are put back: the committed steps see
+    the learning rates and random numbers of an uninterrupted run, and the step after a discard draws what the
+    discarded one drew."""
+    print(f"\nsampler seed {SEED}")
+    torch.manual_seed(SEED)
+    _, plain = fit(monkeypatch, 1, max_steps=8, module_class=Schedules)
+    torch.manual_seed(SEED)
+    discard = {2, 5, 6}
+    trainer, faulted = fit(monkeypatch, 1, max_steps=8, discard=discard, module_class=Schedules)
+    assert trainer.strategy.discarded_steps == len(discard)
+    kept = [row for call, row in enumerate(faulted.seen, start=1) if call not in discard]
+    assert kept == plain.seen
+    for call in discard:
+        assert faulted.seen[call - 1] == faulted.seen[call]  # the step again: same step, lr and draw
+
+
+def test_a_training_step_returning_none_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's skip would keep the group out of the step's all-reduce (the others wait for it until their
+    timeout): refused, naming the step."""
+    from lit_ddp.errors import UsageError
+
+    class Skips(Indices):
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> Any:
+            return None if self.trainer.global_step == 2 else super().training_step(batch, batch_idx)
+
+    with pytest.raises(UsageError, match="training_step returned None at step 2") as refused:
+        fit(monkeypatch, 0, max_steps=4, module_class=Skips)
+    assert "\n" not in str(refused.value)
+
+
+def test_min_replicas_has_one_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's (``$TORCHFT_MIN_REPLICAS``, its lighthouse's) unless the strategy gives the same; another value,
+    or one above the groups (no step could commit), refused in one line."""
+    from lit_ddp.errors import UsageError
+    from lit_ddp.ft.strategy import MIN_REPLICAS_ENV
+
+    def resolved(given: int | None) -> int:
+        strategy = TorchFTStrategy(min_replicas=given, replica_groups=3)
+        strategy.groups = 3
+        return strategy._min_replicas()
+
+    assert resolved(None) == 1
+    monkeypatch.setenv(MIN_REPLICAS_ENV, "2")
+    assert resolved(None) == 2 and resolved(2) == 2
+    with pytest.raises(UsageError, match="min_replicas 3 is not the launcher's --min_replicas 2"):
+        resolved(3)
+    monkeypatch.delenv(MIN_REPLICAS_ENV)
+    with pytest.raises(UsageError, match="min_replicas 4 must be between 1 and the 3 replica groups"):
+        resolved(4)
