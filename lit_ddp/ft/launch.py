@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,7 +44,7 @@ import time
 from pathlib import Path
 
 from lit_ddp.errors import BAD_USE_FILE_ENV, UsageError
-from lit_ddp.ft import fingerprint, progress
+from lit_ddp.ft import fingerprint, lighthouse, progress
 from lit_ddp.ft.strategy import (
     COLD_START_ENV,
     LIGHTHOUSE_ENV,
@@ -57,6 +58,8 @@ from lit_ddp.launch import secret
 
 PREFIX = "lit_ddp.ft.launch:"
 POLL_S = 0.1
+LIGHTHOUSE_STARTS = 10
+EXIT_GRACE_S = 120.0  # a group that finished training has this long (at least) to save and exit
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -134,41 +137,42 @@ def kill_tree(pid: int) -> None:
 
 
 class Lighthouse:
-    """The lighthouse's process (:mod:`lit_ddp.ft.lighthouse`), started again at the same address when it dies."""
+    """The lighthouse's process (:mod:`lit_ddp.ft.lighthouse`), at an address chosen once (``--bind``'s port, or a
+    free one) and started again there when it dies. It starts beside the groups (its imports take as long as
+    theirs); a group waits for it to answer before its manager connects (:meth:`TorchFTStrategy._manager`)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.bind = args, args.bind
-        self.address = self.start()
-        self.bind = f"{self.bind.rsplit(':', 1)[0]}:{self.address.rsplit(':', 1)[1]}"  # its port, kept
+        self.args = args
+        host, port = args.bind.rsplit(":", 1)
+        if port == "0":  # a free port, kept for the restarts
+            with socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET) as probe:
+                probe.bind((host.strip("[]"), 0))
+                port = str(probe.getsockname()[1])
+        self.bind = f"{host}:{port}"
+        self.address = lighthouse.bound_address(self.bind, self.bind)
+        self.start()
         print(f"{PREFIX} lighthouse {self.address} (bind {self.args.bind}) pid {self.proc.pid}", flush=True)
 
-    def start(self) -> str:
+    def start(self) -> None:
         cmd = [sys.executable, "-m", "lit_ddp.ft.lighthouse", "--bind", self.bind,
                "--min_replicas", str(self.args.min_replicas), "--join_timeout_ms", str(self.args.join_timeout_ms),
                "--heartbeat_timeout_ms", str(self.args.heartbeat_timeout_ms)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()  # its first line, once it listens
-        if not line.startswith("lighthouse "):
-            self.proc.kill()
-            raise RuntimeError(f"the lighthouse did not start at {self.bind} (it said {line!r})")
-        return line.split()[1]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
     def watch(self) -> None:
-        """Starts it again at its address where it has died (a few tries: the port may take a moment to free)."""
+        """Starts it again at its address where it has died (at most :data:`LIGHTHOUSE_STARTS` times in a row
+        within a few seconds each: a start that fails at once, the port taken, is tried again)."""
         if self.proc.poll() is None:
             return
         code = self.proc.returncode
-        for attempt in range(10):
+        for attempt in range(LIGHTHOUSE_STARTS):
+            self.start()
             try:
-                self.start()
-            except RuntimeError:
-                time.sleep(0.5 * (attempt + 1))
-                continue
-            print(
-                f"{PREFIX} lighthouse exited with {code}: restarted at {self.address} pid {self.proc.pid}", flush=True
-            )
-            return
+                self.proc.wait(timeout=1.0 + attempt)  # one that fails, fails at once (its port taken)
+            except subprocess.TimeoutExpired:
+                print(f"{PREFIX} lighthouse exited with {code}: restarted at {self.address} pid {self.proc.pid}",
+                      flush=True)  # fmt: skip
+                return
         raise RuntimeError(f"the lighthouse could not be started again at {self.bind}")
 
     def stop(self) -> None:
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args, command = parse_args(argv)
     require_torchft()
     secret.create()  # the job's, in os.environ for the groups; never printed
-    lighthouse = Lighthouse(args)
+    beacon = Lighthouse(args)
     private = tempfile.TemporaryDirectory(prefix="lit_ddp_ft_")  # bad-use files and progress records, this user's
     run_dirs = {g: Path(args.root, f"group_{g}") for g in range(args.replica_groups)}
 
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     def start(group: int, cold: bool) -> subprocess.Popen:
         env = dict(os.environ)
         env.update({
-            LIGHTHOUSE_ENV: lighthouse.address,
+            LIGHTHOUSE_ENV: beacon.address,
             REPLICA_ENV: f"group_{group}",
             REPLICA_GROUPS_ENV: str(args.replica_groups),
             MIN_REPLICAS_ENV: str(args.min_replicas),
@@ -221,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     procs = {g: start(g, cold=True) for g in range(args.replica_groups)}
     restarts = dict.fromkeys(procs, 0)
     seen: dict[int, tuple[int, float]] = {}  # a training group -> (its committed step, when it last changed)
+    committed: dict[int, float] = {}  # a group -> when it last committed a step
     final: tuple[int, float] | None = None  # (the step the first group to finish ended at, when)
+    done: dict[int, float] = {}  # a running group whose record says it finished training -> when
     status = 0
 
     def stop(signum: int, _frame: object) -> None:
@@ -233,23 +239,39 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         while procs:
-            lighthouse.watch()
+            beacon.watch()
             now = time.monotonic()
             for group in procs:
                 record = progress.read(record_file(group))
                 if record is not None and seen.get(group, (None, 0.0))[0] != record["step"]:
+                    if group in seen:  # a step committed (a process's first record is where it starts)
+                        committed[group] = now
                     seen[group] = (record["step"], now)
+                if record is not None and record["finished"] and group not in done:
+                    done[group] = now  # its training ended: the first one's step is the final one
+                    final = final or (record["step"], now)
             for group, proc in list(procs.items()):
                 code = proc.poll()
                 if code is None:
-                    why = ended_why(group, seen, final, now, args.stall_timeout_s)
+                    why: str | None
+                    if group in done:  # finished training: only its exit is awaited (a save, the teardown)
+                        if now - done[group] < max(args.stall_timeout_s, EXIT_GRACE_S):
+                            continue
+                        why = (
+                            f"finished training but did not exit within {max(args.stall_timeout_s, EXIT_GRACE_S):.0f} s"
+                        )
+                    else:
+                        why = ended_why(group, seen, committed, final, now, args.stall_timeout_s)
                     if why is None:
                         continue
                     print(f"{PREFIX} group_{group} {why}: SIGKILLed", flush=True)
                     kill_tree(proc.pid)
-                    code = proc.wait()
+                    proc.wait()
+                    code = 0 if group in done else proc.returncode
                 del procs[group]
                 step = seen.pop(group, (-1, now))[0]
+                committed.pop(group, None)
+                done.pop(group, None)
                 if code == 0:
                     print(f"{PREFIX} group_{group} finished at step {step}", flush=True)
                     final = final or (step, now)
@@ -268,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                     status = status or code
             time.sleep(POLL_S)
     finally:
-        lighthouse.stop()
+        beacon.stop()
         private.cleanup()
     if status == 0:
         differs = fingerprint.first_difference({f"group_{g}": d for g, d in run_dirs.items()})
@@ -280,10 +302,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ended_why(
-    group: int, seen: dict[int, tuple[int, float]], final: tuple[int, float] | None, now: float, stall_s: float
+    group: int,
+    seen: dict[int, tuple[int, float]],
+    committed: dict[int, float],
+    final: tuple[int, float] | None,
+    now: float,
+    stall_s: float,
 ) -> str | None:
-    """Why a running group must be ended now, or None. ``seen``: each training group's committed step and when it
-    last changed; ``final``: the step a group finished at, and when (None: none has).
+    """Why a running group must be ended now, or None. ``seen``: each training group's step (its process's first
+    record, then each committed step) and when it last changed; ``committed``: when each group last committed a step
+    (a process's first record is not one); ``final``: the step a group finished at, and when (None: none has).
 
     - No group finished: it committed no step for ``stall_s`` while another committed (frozen, deadlocked).
     - A group finished: it has not trained yet (nothing live is left to heal it), or it committed a step below the
@@ -291,10 +319,10 @@ def ended_why(
     """
     if final is not None:
         final_step, ended_at = final
-        if group not in seen:
+        if group not in seen or (group not in committed and seen[group][0] < final_step):
             return f"has not trained since its start, and a group finished at step {final_step}: nothing to heal from"
         step, since = seen[group]
-        if step < final_step and since > ended_at:
+        if step < final_step and committed.get(group, 0.0) > ended_at:
             return (
                 f"committed step {step} after a group finished at step {final_step}: it trains alone on a stale state"
             )
@@ -304,7 +332,7 @@ def ended_why(
     if group not in seen:
         return None  # not training yet: its own timeouts bound its start
     step, since = seen[group]
-    if now - since > stall_s and any(t > since for g, (_, t) in seen.items() if g != group):
+    if now - since > stall_s and any(t > since for g, t in committed.items() if g != group):
         return f"committed no step for {now - since:.0f} s (since step {step}) while another group did"
     return None
 

@@ -21,7 +21,8 @@ import threading
 
 def bound_address(server_address: str, bind: str) -> str:
     """The address groups reach the lighthouse at: the host of ``bind`` (a name resolved to its address), with the
-    port torchft bound (``server_address`` names the host by its host name, which may resolve to another interface)."""
+    port of ``server_address`` (torchft's, which names the host by its host name, which may resolve to another
+    interface; or ``bind`` itself where its port is not 0)."""
     port = server_address.rsplit(":", 1)[1].strip("/")
     host = bind.rsplit(":", 1)[0]
     if not host.startswith("["):

@@ -32,6 +32,7 @@ heartbeat timeout of the lighthouse (``python -m lit_ddp.ft.launch --heartbeat_t
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -226,6 +227,7 @@ class TorchFTStrategy(DDPStrategy):
                 "slurm/train_torchft.sbatch (both create it), or export one secret to every group yourself"
             )
         replica_id = self._replica_id()
+        self._await_lighthouse(lighthouse)
         address = transport.own_address(lighthouse)  # every server of this process listens there only
         if address == loopback.LOOPBACK:
             loopback.use_loopback_interface()  # gloo's connections between the groups on loopback
@@ -262,6 +264,28 @@ class TorchFTStrategy(DDPStrategy):
             f"{data.group_index(replica_id, self.groups)} of each global batch), lighthouse {lighthouse}"
         )
         return manager
+
+    def _await_lighthouse(self, lighthouse: str) -> None:
+        """Waits until the lighthouse accepts connections (for at most ``connect_timeout``): the launcher starts it
+        beside the groups, and restarts it where it dies; then torchft's manager connects.
+
+        Raises:
+            LitDDPError: nothing listens at ``lighthouse`` within ``connect_timeout`` (a launcher may start the group
+                again).
+        """
+        host, port = lighthouse.split("://")[-1].rstrip("/").rsplit(":", 1)
+        deadline = time.monotonic() + self.connect_timeout.total_seconds()
+        while True:
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise LitDDPError(
+                        f"TorchFTStrategy: no lighthouse answers at {lighthouse} within connect_timeout "
+                        f"{self.connect_timeout} (python -m lit_ddp.ft.launch starts one and prints its address)"
+                    ) from None
+                time.sleep(0.1)
 
     def _group_store(self, host: str) -> tuple[str, int]:
         """The group's TCPStore, where its processes' managers meet and whose address the quorum hands the other

@@ -15,13 +15,15 @@ from lit_ddp.ft.launch import ended_why, parse_args
 
 def test_a_group_whose_step_stands_while_another_commits_is_ended() -> None:
     """Frozen: its step stood longer than the limit while another group committed; not when nobody commits (a lost
-    lighthouse, a validation all groups run), nor within the limit, nor before its first record (starting up)."""
+    lighthouse, a validation all groups run) nor when another only started (its first record), nor within the limit,
+    nor before its first record (starting up)."""
     seen = {0: (50, 100.0), 1: (20, 80.0), 2: (50, 100.0)}
-    assert "committed no step for 30 s (since step 20)" in str(ended_why(1, seen, None, now=110.0, stall_s=25))
-    assert ended_why(1, seen, None, now=100.0, stall_s=25) is None  # within the limit
-    assert ended_why(0, seen, None, now=200.0, stall_s=25) is None  # the others did not commit after it
-    assert ended_why(1, {0: (20, 80.0), 1: (20, 80.0)}, None, now=200.0, stall_s=25) is None  # nobody commits
-    assert ended_why(3, seen, None, now=500.0, stall_s=25) is None  # no record yet
+    committed = {0: 100.0, 2: 100.0}
+    assert "committed no step for 30 s (since step 20)" in str(ended_why(1, seen, committed, None, 110.0, 25))
+    assert ended_why(1, seen, committed, None, now=100.0, stall_s=25) is None  # within the limit
+    assert ended_why(0, seen, committed, None, now=200.0, stall_s=25) is None  # the others did not commit after it
+    assert ended_why(1, seen, {}, None, now=200.0, stall_s=25) is None  # the others only started: no commit
+    assert ended_why(3, seen, committed, None, now=500.0, stall_s=25) is None  # no record yet
 
 
 def test_after_a_group_finished_no_other_trains_alone() -> None:
@@ -29,10 +31,13 @@ def test_after_a_group_finished_no_other_trains_alone() -> None:
     one that commits a lower step after that trains alone on a stale state: ended; one at the final step gets the
     limit to finish."""
     final = (100, 50.0)
-    assert "nothing to heal from" in str(ended_why(1, {}, final, now=51.0, stall_s=25))
-    assert "trains alone on a stale state" in str(ended_why(1, {1: (42, 51.0)}, final, now=51.5, stall_s=25))
-    assert ended_why(1, {1: (100, 49.0)}, final, now=60.0, stall_s=25) is None
-    assert "did not finish within 25 s" in str(ended_why(1, {1: (100, 49.0)}, final, now=80.0, stall_s=25))
+    assert "nothing to heal from" in str(ended_why(1, {}, {}, final, now=51.0, stall_s=25))
+    stale = ended_why(1, {1: (42, 51.0)}, {1: 51.0}, final, now=51.5, stall_s=25)
+    assert "trains alone on a stale state" in str(stale)
+    assert ended_why(1, {1: (42, 51.0)}, {1: 40.0}, final, now=51.5, stall_s=25) is None  # not since the end
+    assert "nothing to heal from" in str(ended_why(1, {1: (42, 51.0)}, {}, final, now=51.5, stall_s=25))
+    assert ended_why(1, {1: (100, 49.0)}, {1: 49.0}, final, now=60.0, stall_s=25) is None
+    assert "did not finish within 25 s" in str(ended_why(1, {1: (100, 49.0)}, {1: 49.0}, final, now=80.0, stall_s=25))
 
 
 def test_min_replicas_above_the_groups_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
