@@ -34,12 +34,13 @@ class ProgressWriter:
         self.run_dir, self.pid = run_dir, os.getpid()
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         self.seconds, self.writes = 0.0, 0
+        self._rest = f', "pid": {self.pid}, "run_dir": {json.dumps(run_dir)}, "finished": '  # the same each step
 
     def write(self, step: int, finished: bool = False) -> None:
         start = time.perf_counter()
-        record = {"step": step, "time": time.time(), "pid": self.pid, "run_dir": self.run_dir, "finished": finished}
-        data = json.dumps(record).encode()
-        os.pwrite(self.fd, data.ljust(RECORD_BYTES) if len(data) < RECORD_BYTES else data, 0)
+        data = f'{{"step": {int(step)}, "time": {time.time():.3f}{self._rest}{"true" if finished else "false"}}}'
+        encoded = data.encode()
+        os.pwrite(self.fd, encoded.ljust(RECORD_BYTES) if len(encoded) < RECORD_BYTES else encoded, 0)
         self.seconds += time.perf_counter() - start
         self.writes += 1
 

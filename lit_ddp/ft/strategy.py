@@ -51,7 +51,6 @@ from lit_ddp.ft import data, membership, transport
 from lit_ddp.ft.heal import PeerState
 from lit_ddp.ft.progress import PROGRESS_ENV, ProgressWriter
 from lit_ddp.launch import loopback, secret
-from lit_ddp.resilience import restore
 from lit_ddp.strategies import DDPStrategy
 
 EXTRA = 'torchft is not installed: pip install -e ".[torchft]" (the torchft extra)'
@@ -172,7 +171,7 @@ class TorchFTStrategy(DDPStrategy):
         self._first_step = True  # a cold start waits for every group there; a restart for a live peer
         self._proof: membership.QuorumProof | None = None
         self._progress: ProgressWriter | None = None
-        self._rng: dict[str, Any] | None = None  # the RNG streams at the start of the step under way
+        self._rng: tuple[Any, ...] | None = None  # the RNG streams at the start of the step under way
         self._discarded = False  # the step under way was discarded: its per-batch schedulers do not step
         self._refused: str | None = None  # the last heal refusal printed
         self._intruded: int | None = None  # the last quorum found to hold an intruder (printed once)
@@ -380,7 +379,21 @@ class TorchFTStrategy(DDPStrategy):
     def _mark(self, trainer: Trainer) -> None:
         """Between two steps: the next batch and its RNG streams start here (a discarded step goes back to both)."""
         self.batch_start.mark(trainer)
-        self._rng = restore.capture_rng(self.root_device)
+        self._rng = self._rng_streams()
+
+    def _rng_streams(self) -> tuple[Any, ...]:
+        """torch's RNG streams of this process (its CPU generator, this device's CUDA generator), taken at every step
+        (a few microseconds). numpy's and Python's are not: their state copies cost 20 to 60 times as much, a few
+        percent of a small model's step, and a step draws from torch's (dropout, sampling); the loaders' orders come
+        from :class:`~lit_ddp.data.samplers.GlobalOrderSampler`, seeded by epoch."""
+        cuda = torch.cuda.get_rng_state(self.root_device) if self.root_device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _put_back_rng(self, streams: tuple[Any, ...]) -> None:
+        cpu, cuda = streams
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.root_device)
 
     def on_train_end(self) -> None:
         """The progress record says the group finished; the record's cost, in one line."""
@@ -423,7 +436,7 @@ class TorchFTStrategy(DDPStrategy):
         self.manager.start_quorum()  # heals here, where the quorum says so (PeerState.load_state_dict)
         self._settle_quorum()
         if self.peer_state is not None and self.peer_state.batch is not None:
-            self._rng = restore.capture_rng(self.root_device)  # healed: the peer's streams are the step's start
+            self._rng = self._rng_streams()  # healed: the peer's streams are the step's start
         loss = closure()
         if loss is None:
             raise UsageError(
@@ -446,7 +459,7 @@ class TorchFTStrategy(DDPStrategy):
             compat.set_batches_that_stepped(trainer, compat.batches_that_stepped(trainer) - 1)
             self.batch_start.rewind(trainer)
             if self._rng is not None:
-                restore.restore_rng(self._rng, self.root_device, self.local_rank)
+                self._put_back_rng(self._rng)
             rank_zero_info(f"torchft: step {trainer.global_step + 1} discarded by the quorum; its batch is read again")
             return loss
         stepped = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
@@ -464,6 +477,9 @@ class TorchFTStrategy(DDPStrategy):
         for as many quorums. Not settled in time: the step is not committed, or a restarted group alone raises
         :class:`NoLivePeer`."""
         first, self._first_step = self._first_step, False
+        if not first and (self._proof is None or not self._proof.needed()):  # a quiet step, alike on every process
+            self._say_refused()
+            return
         cold = first and os.environ.get(COLD_START_ENV) == "1"
         deadline = time.monotonic() + self.quorum_timeout.total_seconds()
         waited = False
@@ -500,11 +516,7 @@ class TorchFTStrategy(DDPStrategy):
             return False, "waiting for every group"
         if a_peer and self.groups > 1 and participants < 2:
             return False, "alone"
-        error = self.manager.errored()
-        cause = getattr(error, "original_exception", error)
-        if isinstance(cause, transport.HealRefused) and str(cause) != self._refused:
-            self._refused = str(cause)
-            print(cause, flush=True)  # every rank its own: the heal is per rank
+        error = self._say_refused()
         if self._proof is None or not self._proof.needed():
             return True, ""  # an error now discards the step, as torchft does
         verdict = self._proof.prove(healthy=error is None)
@@ -524,6 +536,16 @@ class TorchFTStrategy(DDPStrategy):
         if not verdict.ready:
             return False, f"{verdict.size - verdict.healthy} member(s) failed to heal"
         return True, ""
+
+    def _say_refused(self) -> Any:
+        """The manager's error in this step, if any, its line printed where it is a refused heal (once each)."""
+        error = self.manager.errored()
+        if error is not None:
+            cause = getattr(error, "original_exception", error)
+            if isinstance(cause, transport.HealRefused) and str(cause) != self._refused:
+                self._refused = str(cause)
+                print(cause, flush=True)  # every rank its own: the heal is per rank
+        return error
 
     def _agree(self, settled: bool, late: bool) -> tuple[bool, bool]:
         """(every process of the group settled, rank 0 is past its deadline), the same on every process."""

@@ -337,7 +337,7 @@ def test_a_heal_that_puts_back_another_state_than_the_peers_stops_before_trainin
 
 class Schedules(Indices):
     """Draws from torch's RNG in every step (as dropout would) and steps a per-batch learning-rate schedule;
-    records ``(global_step, lr, draw)`` of every step."""
+    records ``(global_step, lr, draw)`` of every step."""  # numpy's and Python's are not put back: see the strategy
 
     def __init__(self) -> None:
         super().__init__()
