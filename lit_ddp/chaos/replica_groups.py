@@ -19,6 +19,7 @@ import contextlib
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -26,8 +27,10 @@ from lit_ddp.chaos.compare import first_difference
 from lit_ddp.chaos.job import Fault, Job, children, descendants, parent, rank_of
 from lit_ddp.run_dir import layout, sharded
 
-# python -m lit_ddp.ft.launch prints this at every start of a group's process
+# python -m lit_ddp.ft.launch prints this at every start of a group's process, and of the lighthouse's
 STARTED = re.compile(r"^lit_ddp\.ft\.launch: (\S+) pid (\d+) run directory (\S+)$", re.M)
+LIGHTHOUSE = re.compile(r"^lit_ddp\.ft\.launch: lighthouse.* pid (\d+)$", re.M)
+HANG_AFTER_STALL_S = 10.0  # a hang's SIGCONT comes this long after the launcher's limit, where it still lives
 WITNESS = "group_0"  # the group no fault hits (above), as the launcher names it (<root>/group_<i>)
 
 
@@ -46,14 +49,21 @@ def current_pids(output: str) -> dict[str, int]:
     return {group: pid for group, pid, _ in starts(output)}
 
 
-def inject(fault: Fault, pid: int | None, nproc: int = 1) -> int | None:
-    """SIGKILLs one worker of the group the launcher started as ``pid`` (``kill``: the process itself, or with
-    ``nproc`` > 1 processes per group its torchrun's worker of the highest rank) or the whole group (``node``: ``pid``
-    and every process under it at once); returns the pid of the worker killed (``node``: ``pid``), or None where
-    the group, or a torchrun's workers, do not run (yet)."""
+def lighthouse_pid(output: str) -> int | None:
+    """The lighthouse's process id now: the newest the launcher printed."""
+    found = LIGHTHOUSE.findall(output)
+    return int(found[-1]) if found else None
+
+
+def inject(fault: Fault, pid: int | None, nproc: int = 1, hang_s: float = 0.0) -> int | None:
+    """Signals one worker of the group the launcher started as ``pid`` (``kill``, ``heal``: SIGKILL, ``hang``: SIGSTOP,
+    then SIGCONT after ``hang_s`` where it still lives; the process itself, or with ``nproc`` > 1 processes per group
+    its torchrun's worker of the highest rank) or the whole group (``node``: SIGKILL of ``pid`` and every process
+    under it at once); returns the pid signalled (``node``: ``pid``), or None where the group, or a torchrun's
+    workers, do not run (yet)."""
     if pid is None or not Path(f"/proc/{pid}").exists():
         return None
-    if fault.kind == "kill" and nproc > 1:
+    if fault.kind in ("kill", "hang", "heal") and nproc > 1:
         ranks = children(pid)
         if len(ranks) < nproc:
             return None
@@ -61,8 +71,17 @@ def inject(fault: Fault, pid: int | None, nproc: int = 1) -> int | None:
     victims = [pid, *descendants(pid)] if fault.kind == "node" else [pid]
     for victim in victims:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
+            os.kill(victim, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+    if fault.kind == "hang":
+        wake = threading.Timer(hang_s, _cont, args=(pid,))
+        wake.daemon = True
+        wake.start()
     return pid
+
+
+def _cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: float) -> tuple[list[dict], float]:
@@ -82,6 +101,7 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
     """
     start = time.monotonic()
     deadline = start + timeout
+    hang_s = (job.args.stall_timeout_s or 90.0) + HANG_AFTER_STALL_S  # the launcher's limit (its default), then 10 s
     job.start()
     faults: list[dict] = []
     read_at, seen = 0.0, ""
@@ -113,13 +133,26 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
             if survivors and max(survivors) > f["last"][0]:  # the survivors stepped: the pause since their last step
                 f["stall"] = max(f["stall"], now - f["last"][1])
                 f["last"] = (max(survivors), now)
+            if f["group"] == "lighthouse":  # back: every group past the fault's step (none of them was hit)
+                if len(survivors) == job.args.replica_groups and min(survivors) > f["step"]:
+                    f["back"], f["during"] = now - f["t"], 0
+                    f["restarts"] = len(starts(text)) - f["starts"]
+                continue
             # back with the others: its new process at a step past the fault's, and at least the survivors' (less
             # one: the files are read one after the other), while they still run (not one that trained alone
             # from its own checkpoint after they finished)
             healed = job.progress(dirs[f["group"]])
+            if (f["kind"] == "heal" and f["again"] is None and healed is not None and healed[0] == "start"
+                    and healed[2] not in f["stale"]):  # fmt: skip
+                # its restart's first step, in which it heals: SIGKILLed again (the whole group)
+                again = pids[f["group"]]
+                f["again"], f["stale"] = again, {*f["stale"], again, *children(again), healed[2]}
+                inject(Fault("node", 0.0, 0.0), again)
+                continue
             running = [g for g in pids if g != f["group"] and Path(f"/proc/{pids[g]}").exists()]
-            if (healed is not None and healed[2] not in f["stale"] and healed[1] > f["step"] and running
-                    and healed[1] >= max(survivors, default=0) - 1):  # fmt: skip
+            if (healed is not None and healed[0] != "start" and healed[2] not in f["stale"] and healed[1] > f["step"]
+                    and running and healed[1] >= max(survivors, default=0) - 1
+                    and (f["kind"] != "heal" or f["again"] is not None)):  # fmt: skip
                 # it healed to the survivors' step and committed the next with them: theirs alone came before
                 f["back"], f["during"] = now - f["t"], max(0, healed[1] - 1 - f["step"])
                 f["restarts"] = sum(1 for g, _, _ in starts(text)[f["starts"] :] if g != f["group"])
@@ -150,6 +183,7 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
                 watch()
                 time.sleep(0.02)
             group = f"group_{1 + min(int(fault.target * (job.args.replica_groups - 1)), job.args.replica_groups - 2)}"
+            group = "lighthouse" if fault.kind == "lighthouse" else group
             at = now + max(1, round(fault.delay * every))
             while True:
                 alive()
@@ -157,15 +191,20 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
                 dirs = {g: d for g, _, d in starts(output())}
                 steps = [s for d in dirs.values() if (s := step_of(d)) is not None]
                 if steps and max(steps) >= at:
-                    victim = current_pids(output()).get(group)
-                    stale = {victim, *children(victim)} if victim is not None else set()  # its processes before
-                    if (pid := inject(fault, victim, job.args.nproc_per_node)) is not None:
+                    if group == "lighthouse":
+                        victim, stale = lighthouse_pid(output()), set()
+                        pid = inject(Fault("node", 0.0, 0.0), victim)  # SIGKILL, its process alone
+                    else:
+                        victim = current_pids(output()).get(group)
+                        stale = {victim, *children(victim)} if victim is not None else set()  # its processes before
+                        pid = inject(fault, victim, job.args.nproc_per_node, hang_s)
+                    if pid is not None:
                         break
                 time.sleep(0.01)
             hit = max(s for g, d in dirs.items() if g != group and (s := step_of(d)) is not None)
             t = time.monotonic() - start
             faults.append({"kind": fault.kind, "group": group, "pid": pid, "stale": stale, "t": t, "step": hit,
-                           "last": (hit, t),
+                           "last": (hit, t), "again": None,
                            "starts": len(starts(output())), "stall": 0.0, "back": None, "during": None,
                            "restarts": None})  # fmt: skip
             while faults[-1]["back"] is None:  # the next fault only once this one's group is back

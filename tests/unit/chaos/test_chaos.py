@@ -43,7 +43,7 @@ FIT = ["--", "--config", "configs/regression/single_device.yaml"]
         (["--launcher", "torchft", "--replica_groups", "1", *FIT], "--replica_groups 1: give at least 2"),
         (
             ["--launcher", "torchft", "--kinds", "kill", "term", *FIT],
-            "--kinds term: --launcher torchft injects kill, node (what its launcher restarts",
+            "--kinds term: --launcher torchft injects kill, node, hang, heal, lighthouse (a group's worker killed",
         ),
         (["--launcher", "torchft", "--rtol", "0.1", *FIT], "--launcher torchft compares by --calibrated K"),
         (
