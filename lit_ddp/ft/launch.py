@@ -35,11 +35,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +59,8 @@ from lit_ddp.ft.strategy import (
 from lit_ddp.launch import secret
 
 PREFIX = "lit_ddp.ft.launch:"
+PREEMPTED = (138, 143)  # 128 + SIGUSR1, 128 + SIGTERM: a group that saved at a step boundary and stopped
+RUN_ID_ENV = "LIT_DDP_RUN_ID"
 POLL_S = 0.1
 LIGHTHOUSE_STARTS = 10
 EXIT_GRACE_S = 120.0  # a group that finished training has this long (at least) to save and exit
@@ -70,7 +74,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument(
         "--nproc_per_group", type=int, default=1, help="W: processes per group (W > 1: each group a torchrun job)"
     )
-    parser.add_argument("--root", default="runs/torchft", help="each group's run directory is ROOT/group_<i>")
+    parser.add_argument(
+        "--root",
+        default=None,
+        help="each group's run directory is ROOT/group_<i> (default runs/torchft; --slurm: the config's "
+        "trainer.default_root_dir/[$LIT_DDP_RUN_ID/]group_<i>)",
+    )
     parser.add_argument(
         "--bind",
         default="127.0.0.1:0",
@@ -95,6 +104,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )
     parser.add_argument(
         "--max_restarts", type=int, default=3, help="restarts of each group (W > 1: of its torchrun job)"
+    )
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="inside a Slurm allocation (slurm/train_torchft.sbatch): each group a one-task srun step on a node of its "
+        "own, the allocation's last --spare_nodes kept for a group whose node is lost",
+    )
+    parser.add_argument("--spare_nodes", type=int, default=1, help="--slurm: nodes kept for lost ones")
+    parser.add_argument("--cpus_per_task", type=int, default=1, help="--slurm: each group's srun --cpus-per-task")
+    parser.add_argument(
+        "--state_dir",
+        default=None,
+        help="the groups' progress records and bad-use files (default: a private temporary directory; --slurm: "
+        "ROOT/.torchft-<job id>, which every node must share)",
     )
     parser.add_argument(
         "--stall_timeout_s",
@@ -184,19 +207,85 @@ class Lighthouse:
                 self.proc.kill()
 
 
+def slurm_nodes(args: argparse.Namespace) -> list[str]:
+    """The allocation's nodes, in order (``scontrol show hostnames``); the first ``--replica_groups`` hold the groups,
+    the rest are spares.
+
+    Raises:
+        UsageError: outside an allocation, or fewer nodes than groups.
+    """
+    if not os.environ.get("SLURM_JOB_NODELIST"):
+        raise UsageError("--slurm: no Slurm allocation ($SLURM_JOB_NODELIST): submit slurm/train_torchft.sbatch")
+    names = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
+                           text=True, timeout=60, check=True).stdout.split()  # fmt: skip
+    if len(names) < args.replica_groups:
+        raise UsageError(f"--slurm: {len(names)} nodes for --replica_groups {args.replica_groups}: give more nodes")
+    return names
+
+
+def node_lost(node: str) -> bool:
+    """Whether Slurm's controller has the node down, drained or not responding (``scontrol show node``)."""
+    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=60).stdout
+    found = re.search(r"State=(\S+)", out)
+    return found is None or any(s in found.group(1) for s in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "*"))
+
+
+def slurm_place(group: int, placed: dict[int, int], nodes: list[str], groups: int) -> int:
+    """The node index ``group`` starts on: its own, unless that node is lost; then the first spare (a node past the
+    groups') that no group holds and that is not lost."""
+    if not node_lost(nodes[placed[group]]):
+        return placed[group]
+    held = {placed[g] for g in placed if g != group}
+    for index in range(groups, len(nodes)):
+        if index not in held and not node_lost(nodes[index]):
+            print(
+                f"{PREFIX} group_{group}: node {nodes[placed[group]]} is lost, starting on {nodes[index]}", flush=True
+            )
+            return index
+    return placed[group]  # no spare: try its node again (the restart fails if it is still lost)
+
+
+def slurm_kill(step_name: str) -> None:
+    """SIGKILL of the job's steps named ``step_name`` (srun --job-name), on whatever node they run."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True, timeout=60)
+    for line in out.stdout.splitlines():
+        step, name = (line.split() + [""])[:2]
+        if name == step_name:
+            subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=60)
+
+
+def prefix_lines(proc: subprocess.Popen, prefix: str) -> None:
+    """Copies ``proc``'s output to this process's, each line after ``prefix`` (a thread of its own)."""
+
+    def copy() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+
+    threading.Thread(target=copy, daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     args, command = parse_args(argv)
     require_torchft()
     secret.create()  # the job's, in os.environ for the groups; never printed
+    nodes = slurm_nodes(args) if args.slurm else None
     beacon = Lighthouse(args)
     private = tempfile.TemporaryDirectory(prefix="lit_ddp_ft_")  # bad-use files and progress records, this user's
-    run_dirs = {g: Path(args.root, f"group_{g}") for g in range(args.replica_groups)}
+    if args.state_dir is None and args.slurm:  # every node writes its group's record there: the job's storage
+        args.state_dir = str(Path(args.root or "runs", f".torchft-{os.environ.get('SLURM_JOB_ID', 'job')}"))
+    state = Path(args.state_dir or private.name)
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dirs = {g: Path(args.root or "runs/torchft", f"group_{g}") for g in range(args.replica_groups)}
+    placed = {g: g for g in range(args.replica_groups)}  # --slurm: group -> its node's index
 
     def bad_use_file(group: int) -> Path:
-        return Path(private.name, f"group_{group}.bad_use")
+        return Path(state, f"group_{group}.bad_use")
 
     def record_file(group: int) -> Path:
-        return Path(private.name, f"group_{group}.progress")
+        return Path(state, f"group_{group}.progress")
 
     def start(group: int, cold: bool) -> subprocess.Popen:
         env = dict(os.environ)
@@ -211,22 +300,36 @@ def main(argv: list[str] | None = None) -> int:
         env.pop(COLD_START_ENV, None)
         if cold:
             env[COLD_START_ENV] = "1"
-        cmd = [sys.executable, "-m", "lit_ddp", *command, "--trainer.default_root_dir", str(run_dirs[group])]
+        cmd = [sys.executable, "-m", "lit_ddp", *command]
+        if args.root is None and args.slurm:  # the config's root/[$LIT_DDP_RUN_ID/]group_<i>, as a Slurm job's run
+            env[RUN_ID_ENV] = "/".join(filter(None, [os.environ.get(RUN_ID_ENV), f"group_{group}"]))
+        else:
+            cmd += ["--trainer.default_root_dir", str(run_dirs[group])]
         if args.nproc_per_group > 1:
             torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc_per_group)]
             cmd[1:3] = [*torchrun, "--max_restarts", "0", "-m", "lit_ddp"]
             cmd += ["--trainer.devices", str(args.nproc_per_group)]
         bad_use_file(group).unlink(missing_ok=True)
         record_file(group).unlink(missing_ok=True)
-        proc = subprocess.Popen(cmd, env=env)
-        print(f"{PREFIX} group_{group} pid {proc.pid} run directory {run_dirs[group]}", flush=True)
-        return proc
+        if nodes is None:
+            proc = subprocess.Popen(cmd, env=env)
+            print(f"{PREFIX} group_{group} pid {proc.pid} run directory {run_dirs[group]}", flush=True)
+            return proc
+        placed[group] = slurm_place(group, placed, nodes, args.replica_groups)
+        node = nodes[placed[group]]
+        srun = ["srun", "--nodes", "1", "--ntasks", "1", "--nodelist", node, "--cpus-per-task",
+                str(args.cpus_per_task), "--job-name", f"group_{group}", "--kill-on-bad-exit=1"]  # fmt: skip
+        step = subprocess.Popen([*srun, *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        prefix_lines(step, f"group_{group}: ")
+        print(f"{PREFIX} group_{group} pid {step.pid} node {node} run directory {run_dirs[group]}", flush=True)
+        return step
 
     procs = {g: start(g, cold=True) for g in range(args.replica_groups)}
     restarts = dict.fromkeys(procs, 0)
     seen: dict[int, tuple[int, float]] = {}  # a training group -> (its committed step, when it last changed)
     committed: dict[int, float] = {}  # a group -> when it last committed a step
     final: tuple[int, float] | None = None  # (the step the first group to finish ended at, when)
+    preempted = 0  # the status of the first group that saved and stopped for a signal
     done: dict[int, float] = {}  # a running group whose record says it finished training -> when
     status = 0
 
@@ -235,8 +338,14 @@ def main(argv: list[str] | None = None) -> int:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
+    def forward(signum: int, _frame: object) -> None:  # Slurm's preemption notice to the batch shell, passed on
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGUSR1, forward)
     try:
         while procs:
             beacon.watch()
@@ -265,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                     if why is None:
                         continue
                     print(f"{PREFIX} group_{group} {why}: SIGKILLed", flush=True)
+                    if nodes is not None:
+                        slurm_kill(f"group_{group}")
                     kill_tree(proc.pid)
                     proc.wait()
                     code = 0 if group in done else proc.returncode
@@ -272,6 +383,18 @@ def main(argv: list[str] | None = None) -> int:
                 step = seen.pop(group, (-1, now))[0]
                 committed.pop(group, None)
                 done.pop(group, None)
+                record = progress.read(record_file(group))
+                if record is not None and record.get("run_dir"):
+                    run_dirs[group] = Path(record["run_dir"])  # where the group itself says it saves
+                if code == 0 and not (record is not None and record.get("finished")):
+                    # srun says 0 for a step it lost to a node failure: only the group's own record says it finished
+                    print(f"{PREFIX} group_{group} exited with 0 before finishing its training (at step {step})",
+                          flush=True)  # fmt: skip
+                    code = 1
+                if code in PREEMPTED:  # it saved at a step boundary and stopped: the job is requeued
+                    print(f"{PREFIX} group_{group} stopped by a preemption signal ({code}): not restarted", flush=True)
+                    preempted = preempted or code
+                    continue
                 if code == 0:
                     print(f"{PREFIX} group_{group} finished at step {step}", flush=True)
                     final = final or (step, now)
@@ -292,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         beacon.stop()
         private.cleanup()
+    if preempted and status == 0:
+        print(f"{PREFIX} preempted: every group saved and stopped; the job may be requeued", flush=True)
+        return preempted
     if status == 0:
         differs = fingerprint.first_difference({f"group_{g}": d for g, d in run_dirs.items()})
         if differs is not None:
