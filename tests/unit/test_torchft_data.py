@@ -404,3 +404,17 @@ def test_min_replicas_has_one_source(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(MIN_REPLICAS_ENV)
     with pytest.raises(UsageError, match="min_replicas 4 must be between 1 and the 3 replica groups"):
         resolved(4)
+
+
+def test_too_many_discarded_steps_stop_the_group_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchft's ``max_retries`` (the strategy passes it): where its ``should_commit`` gives up, the group stops with
+    one line naming the setting, instead of re-reading one batch forever."""
+    from lit_ddp.errors import LitDDPError
+
+    def gives_up(self: ScriptedManager) -> bool:
+        raise RuntimeError("should_commit failed 11 times consecutively, exceeding max_retries=10")
+
+    monkeypatch.setattr(ScriptedManager, "should_commit", gives_up)
+    with pytest.raises(LitDDPError, match="11 steps in a row discarded at step 0 .*max_retries 10") as stopped:
+        fit(monkeypatch, 0, max_steps=3)
+    assert "\n" not in str(stopped.value)
