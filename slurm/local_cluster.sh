@@ -33,7 +33,8 @@
 # cgroups needed; tasks are bound with sched_setaffinity: by default to the socket, both cores here, with
 # srun --cpu-bind=cores / SLURM_CPU_BIND=cores to a core each; a step asking for all 8 of a node's advertised
 # CPUs fails with "Unable to layout tasks on given cpus", 3 tasks x 2 CPUs do not); cred_expire +
-# sched_interval/bf_interval make a requeued job restart after ~12 s instead of ~164 s; SlurmdParameters=config_overrides lets a node advertise more CPUs than the hardware has.
+# sched_interval/bf_interval make a requeued job restart after ~12 s instead of ~164 s; SlurmdTimeout=20 marks a
+# node whose slurmd died DOWN within about 20 s instead of 300 (tests/system/test_slurm_torchft.py loses a node); SlurmdParameters=config_overrides lets a node advertise more CPUs than the hardware has.
 # No slurmdbd, so `sacct` answers "accounting storage is disabled": finished jobs are recorded one line each
 # (JobId, JobName, JobState, NodeList, NodeCnt, ...) by jobcomp/filetxt in $SLURM_LOCAL_BASE/log/jobcomp.log,
 # and `scontrol show job` keeps them for MinJobAge (300 s).
@@ -196,6 +197,7 @@ SlurmctldPort=6817
 SlurmdPort=$SLURMD_PORT
 MailProg=/bin/true
 ReturnToService=2
+SlurmdTimeout=20
 SlurmdParameters=config_overrides
 JobRequeue=1
 KillWait=5

@@ -279,14 +279,25 @@ class StepTrace(Callback):
 
     With ``indices`` (a regression fit), each line goes on with ``<step>:<epoch>:<i,j,...>``: the global step and
     epoch the batch was trained at and the train set's indices of its samples (its inputs found in the train set),
-    read in ``training_step``: the batch the step trained, which a heal replaces, not the one the loop fetched."""
+    read in ``training_step``: the batch the step trained, which a heal replaces, not the one the loop fetched.
 
-    def __init__(self, directory: str, sleep: dict[str, float] | None = None, indices: bool = False) -> None:
+    With ``hold_at`` and ``hold_until``, the batch of step ``hold_at`` waits until the file ``hold_until`` exists
+    (a test's moment, such as another process ready, without racing the steps)."""
+
+    def __init__(
+        self,
+        directory: str,
+        sleep: dict[str, float] | None = None,
+        indices: bool = False,
+        hold_at: int | None = None,
+        hold_until: str | None = None,
+    ) -> None:
         self.group = os.environ.get("REPLICA_GROUP_ID", "group_0")
         rank = int(os.environ.get("RANK", "0"))  # a group of several processes (torchrun): one file per rank
         self.path = Path(directory, f"{self.group}.txt" if rank == 0 else f"{self.group}.rank{rank}.txt")
         self.sleep = (sleep or {}).get(self.group, 0.0)
         self.indices = indices
+        self.hold_at, self.hold_until = hold_at, hold_until
         self.trained = ""
         os.makedirs(directory, exist_ok=True)
 
@@ -306,6 +317,9 @@ class StepTrace(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
         time.sleep(self.sleep)
+        if self.hold_until is not None and trainer.global_step == self.hold_at:
+            while not os.path.exists(self.hold_until):
+                time.sleep(0.05)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: object, batch: object, batch_idx: int

@@ -22,10 +22,13 @@ injected from outside, then compares the two final checkpoints bit for bit.
   (:mod:`lit_ddp.chaos.replica_groups`: its faults, its table, its comparison).
 - Fault kinds (each chosen kind once before any comes again): ``kill`` (SIGKILL of one worker, a crash),
   ``term`` (SIGTERM of the job, a preemption or ``scancel``: the run saves at a step boundary and exits 143; not
-  under torchft, which takes ``kill``, one group's worker (its torchrun's of the highest rank), and ``node``, the
-  whole group: its process, or its torchrun and workers),
-  ``hang`` (SIGSTOP of one worker, torchrun only: the others fail at the collective timeout, which the tool
-  sets to 20 s), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine; under
+  under torchft, which takes ``kill``, one group's worker (its torchrun's of the highest rank), ``node``, the
+  whole group: its process, or its torchrun and workers, ``hang``, ``heal`` and ``lighthouse``),
+  ``hang`` (SIGSTOP of one worker: under torchrun the others fail at the collective timeout, which the tool
+  sets to 20 s; under torchft the group's, which the launcher ends once its step has stood ``--stall_timeout_s``
+  while the others commit, SIGCONT 10 s after that if it still lives), ``lighthouse`` and ``heal`` (torchft only:
+  SIGKILL of the lighthouse, which the launcher starts again at its address; SIGKILL of a group, then again of its
+  restart in its first step, as it heals), ``node`` (SIGKILL of the torchrun agent and all its workers at once, a lost machine; under
   Slurm of the job's tasks on one node, from an overlapping ``srun`` step),
   ``save`` (SIGKILL of the process writing a checkpoint, the moment its temporary file appears),
   ``validation`` (SIGKILL of one worker, under Slurm of one node's tasks, while a validation runs:
@@ -51,10 +54,12 @@ injected from outside, then compares the two final checkpoints bit for bit.
   the spread and both distances at the first logged step after each resume.
 
 - ``--launcher torchft`` (R >= 2 groups; ``--heartbeat_timeout_ms``, the lighthouse's: what a lost group costs the
-  others): no resume, no redone steps; each fault hits a group other than ``group_0`` (the witness), ``delay x S /
-  2K`` steps after the groups last stepped together (S: the uninterrupted run's steps). The table gives per fault the
-  survivors' restarts (goal: none), their longest pause, their steps while the group was down and the seconds until
-  it was back at their step; then the groups' ``last.ckpt`` against each other bit for bit, and ``group_0`` against
+  others): no resume, no redone steps; each fault hits a group other than ``group_0`` (the witness), or the
+  lighthouse, ``delay x S / 2K`` steps after the groups last stepped together (S: the uninterrupted run's steps). The
+  table gives per fault the survivors' restarts (goal: none; every group's for a lighthouse fault), their longest
+  pause, their steps while the group was down and the seconds until it was back at their step; then the launcher's
+  own check (it exits 1 where the groups did not end with one model), the groups' ``last.ckpt`` against each other
+  bit for bit, and ``group_0`` against
   two uninterrupted R-group runs, the second with the next seed (``--seed_everything``), by ``--calibrated``
   (default 3; ``--rtol`` refused) at the steps all three logged. Two runs of one seed differ only by the steps
   before the later group joined (often none), far less than the shares a lost group did not train: the yardstick
@@ -83,14 +88,14 @@ from lit_ddp.chaos.replica_groups import WITNESS, group_dirs, groups_difference,
 from lit_ddp.errors import UsageError
 from lit_ddp.run_dir import events, layout, sharded
 
-KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1")
+KINDS = ("kill", "term", "hang", "node", "save", "validation", "usr1", "lighthouse", "heal")
 # What each launcher can inject: a Slurm job's processes run on other machines, reached through scancel only.
 LAUNCHER_KINDS = {
     "single": ("kill", "term", "save", "validation"),
     "torchrun": ("kill", "term", "hang", "node", "save", "validation"),
     "slurm": ("kill", "node", "term", "validation", "usr1"),
-    # a replica group's worker, or the whole group (today one process: the same signal); the launcher restarts it
-    "torchft": ("kill", "node"),
+    # a replica group's worker, or the whole group, frozen, killed again while it heals; or the lighthouse
+    "torchft": ("kill", "node", "hang", "heal", "lighthouse"),
 }
 # slurm/train_elastic.sbatch: a torchrun agent per node restarts its workers; it has no SIGUSR1 handler (a USR1 would
 # end the agent), and a frozen worker is torchrun's to end.
@@ -121,6 +126,11 @@ def chaos_parser() -> ArgumentParser:
         help="torchft: the lighthouse's (default the launcher's, 5000): a group silent this long is out of the quorum",
     )  # fmt: skip
     parser.add_argument(
+        "--stall_timeout_s", type=float | None, default=None,
+        help="torchft: the launcher's (a group whose step stands this long while another commits is ended; "
+        "default the launcher's, 90); a hang lasts this plus 10 s",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-restarts", type=int | None, default=None, help="torchrun's; torchft: each group's (default: --faults)"
     )
     parser.add_argument(
@@ -143,6 +153,11 @@ def chaos_parser() -> ArgumentParser:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each job may take")
     parser.add_argument("fit", nargs="*", default=[], help="after `--`: the arguments of lit-ddp fit")
     return parser
+
+
+def torchft_heal(args: Namespace) -> bool:
+    """Whether a torchft run takes ``heal`` faults (each restarts its group twice)."""
+    return args.launcher == "torchft" and "heal" in (args.kinds or [])
 
 
 def check(args: Namespace) -> tuple[Namespace, list[str]]:
@@ -181,7 +196,7 @@ def check(args: Namespace) -> tuple[Namespace, list[str]]:
         if args.calibrated is None:
             args.calibrated = 3.0
     if args.max_restarts is None:
-        args.max_restarts = args.faults
+        args.max_restarts = args.faults * (2 if torchft_heal(args) else 1)
     args.elastic = args.launcher == "slurm" and args.sbatch.name == ELASTIC_SCRIPT.name
     possible = ELASTIC_KINDS if args.elastic else LAUNCHER_KINDS[args.launcher]
     if args.kinds is None:
@@ -192,7 +207,11 @@ def check(args: Namespace) -> tuple[Namespace, list[str]]:
             f"--kinds {' '.join(wrong)}: --launcher {args.launcher}{' with ' + str(args.sbatch) if args.elastic else ''} "
             f"injects {', '.join(possible)}"
             + (" (one process has no peer to wait for a frozen one)" if "hang" in wrong and not torchft else "")
-            + (" (what its launcher restarts: a group's worker, or the whole group)" if torchft else "")
+            + (
+                " (a group's worker killed or frozen, the whole group, a group killed again as it heals, the lighthouse)"
+                if torchft
+                else ""
+            )
         )
     if args.launcher == "slurm":
         if shutil.which("sbatch") is None:
@@ -472,7 +491,7 @@ def torchft_main(
             )
     if restarted := sum(f["restarts"] for f in faults):
         failures.append(f"the survivors restarted {restarted} times (their pids changed)")
-    dirs = group_dirs(job.output())
+    dirs = group_dirs(events.read(job.root))
     if (difference := groups_difference(dirs)) is None:
         print(f"groups: {', '.join(d.name for d in dirs)} end identical, bit for bit (global_step, weights, optimizer)")
     else:

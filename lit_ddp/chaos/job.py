@@ -106,7 +106,11 @@ class Job:
         # torchft: the launcher gives each group its run directory, <root>/group_<i>
         extra = [] if args.launcher == "torchft" else ["--trainer.default_root_dir", str(root)]
         extra += ["--trainer.enable_progress_bar", "false"]
-        if faulted and "hang" in args.kinds:
+        if (
+            faulted
+            and "hang" in args.kinds
+            and not any(a.startswith("--trainer.strategy.init_args.timeout") for a in fit)
+        ):
             extra += ["--trainer.strategy.init_args.timeout", HANG_TIMEOUT]
         # in every run alike (a reference may serve a later --calibrated call)
         extra += [f"--trainer.callbacks+={PHASE_PROBE}", f"--trainer.callbacks+={SKETCH}"]
@@ -126,6 +130,8 @@ class Job:
                         "--max_restarts", str(args.max_restarts)]  # fmt: skip
             if args.heartbeat_timeout_ms is not None:
                 launcher += ["--heartbeat_timeout_ms", str(args.heartbeat_timeout_ms)]
+            if getattr(args, "stall_timeout_s", None) is not None:
+                launcher += ["--stall_timeout_s", str(args.stall_timeout_s)]
             self.cmd = [*launcher, "--", "fit", *fit, *extra]
         else:
             self.env.setdefault("LIT_DDP_PYTHON", sys.executable)

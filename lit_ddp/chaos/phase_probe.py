@@ -16,9 +16,18 @@ from lit_ddp.chaos.job import PHASE_FILE
 
 
 class PhaseProbe(Callback):
-    """Rank zero writes ``<phase> <global_step> <pid>`` into ``<trainer.default_root_dir>/.chaos_phase``: ``train``
-    after every training batch and as a validation ends, ``validation`` as one starts (not the sanity check). The
-    pid tells a restarted process from the one a fault hit. It changes nothing else and holds no state."""
+    """Rank zero writes ``<phase> <global_step> <pid>`` into ``<trainer.default_root_dir>/.chaos_phase``: ``start``
+    as the process's first training batch starts (a restarted torchft group heals in it), ``train`` after every
+    training batch and as a validation ends, ``validation`` as one starts (not the sanity check). The pid tells a
+    restarted process from the one a fault hit. It changes nothing else and holds no state but whether it began."""
+
+    def __init__(self) -> None:
+        self.began = False
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        if not self.began:
+            self.began = True
+            self._write(trainer, "start")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         self._write(trainer, "train")

@@ -17,43 +17,54 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
+import threading
 import time
 from pathlib import Path
 
 from lit_ddp.chaos.compare import first_difference
 from lit_ddp.chaos.job import Fault, Job, children, descendants, parent, rank_of
-from lit_ddp.run_dir import layout, sharded
+from lit_ddp.run_dir import events, layout, sharded
 
-# python -m lit_ddp.ft.launch prints this at every start of a group's process
-STARTED = re.compile(r"^lit_ddp\.ft\.launch: (\S+) pid (\d+) run directory (\S+)$", re.M)
+HANG_AFTER_STALL_S = 10.0  # a hang's SIGCONT comes this long after the launcher's limit, where it still lives
 WITNESS = "group_0"  # the group no fault hits (above), as the launcher names it (<root>/group_<i>)
 
 
-def starts(output: str) -> list[tuple[str, int, Path]]:
-    """``(group, pid, run directory)`` of every start of a group's process the launcher printed, in order."""
-    return [(group, int(pid), Path(run_dir)) for group, pid, run_dir in STARTED.findall(output)]
+def starts(records: list[dict]) -> list[tuple[str, int, Path]]:
+    """``(group, pid, run directory)`` of every start of a group's process the launcher recorded, in order (its
+    records, :mod:`lit_ddp.run_dir.events`)."""
+    return [
+        (str(r["group"]), int(r["pid"]), Path(r["run_dir"]))
+        for r in records
+        if r.get("event") == events.GROUP_STARTED and {"group", "pid", "run_dir"} <= set(r)
+    ]
 
 
-def group_dirs(output: str) -> list[Path]:
+def group_dirs(records: list[dict]) -> list[Path]:
     """The groups' run directories, in the order of their first start (``group_0`` first)."""
-    return list({group: run_dir for group, _, run_dir in starts(output)}.values())
+    return list({group: run_dir for group, _, run_dir in starts(records)}.values())
 
 
-def current_pids(output: str) -> dict[str, int]:
-    """Each group's process id now: the newest start the launcher printed."""
-    return {group: pid for group, pid, _ in starts(output)}
+def current_pids(records: list[dict]) -> dict[str, int]:
+    """Each group's process id now: the newest start the launcher recorded."""
+    return {group: pid for group, pid, _ in starts(records)}
 
 
-def inject(fault: Fault, pid: int | None, nproc: int = 1) -> int | None:
-    """SIGKILLs one worker of the group the launcher started as ``pid`` (``kill``: the process itself, or with
-    ``nproc`` > 1 processes per group its torchrun's worker of the highest rank) or the whole group (``node``: ``pid``
-    and every process under it at once); returns the pid of the worker killed (``node``: ``pid``), or None where
-    the group, or a torchrun's workers, do not run (yet)."""
+def lighthouse_pid(records: list[dict]) -> int | None:
+    """The lighthouse's process id now: the newest the launcher recorded."""
+    found = [int(r["pid"]) for r in records if r.get("event") == events.LIGHTHOUSE_STARTED and "pid" in r]
+    return found[-1] if found else None
+
+
+def inject(fault: Fault, pid: int | None, nproc: int = 1, hang_s: float = 0.0) -> int | None:
+    """Signals one worker of the group the launcher started as ``pid`` (``kill``, ``heal``: SIGKILL, ``hang``: SIGSTOP,
+    then SIGCONT after ``hang_s`` where it still lives; the process itself, or with ``nproc`` > 1 processes per group
+    its torchrun's worker of the highest rank) or the whole group (``node``: SIGKILL of ``pid`` and every process
+    under it at once); returns the pid signalled (``node``: ``pid``), or None where the group, or a torchrun's
+    workers, do not run (yet)."""
     if pid is None or not Path(f"/proc/{pid}").exists():
         return None
-    if fault.kind == "kill" and nproc > 1:
+    if fault.kind in ("kill", "hang", "heal") and nproc > 1:
         ranks = children(pid)
         if len(ranks) < nproc:
             return None
@@ -61,8 +72,17 @@ def inject(fault: Fault, pid: int | None, nproc: int = 1) -> int | None:
     victims = [pid, *descendants(pid)] if fault.kind == "node" else [pid]
     for victim in victims:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
+            os.kill(victim, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+    if fault.kind == "hang":
+        wake = threading.Timer(hang_s, _cont, args=(pid,))
+        wake.daemon = True
+        wake.start()
     return pid
+
+
+def _cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: float) -> tuple[list[dict], float]:
@@ -82,15 +102,16 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
     """
     start = time.monotonic()
     deadline = start + timeout
+    hang_s = (job.args.stall_timeout_s or 90.0) + HANG_AFTER_STALL_S  # the launcher's limit (its default), then 10 s
     job.start()
     faults: list[dict] = []
-    read_at, seen = 0.0, ""
+    read_at, seen = 0.0, []
 
-    def output() -> str:
-        """The launcher's output, read again at most every 0.2 s (the tool shares the job's CPUs)."""
+    def output() -> list[dict]:
+        """The launcher's records, read again at most every 0.2 s (the tool shares the job's CPUs)."""
         nonlocal read_at, seen
         if time.monotonic() - read_at > 0.2:
-            read_at, seen = time.monotonic(), job.output()
+            read_at, seen = time.monotonic(), events.read(job.root)
         return seen
 
     def step_of(group_dir: Path, pid: int | None = None) -> int | None:
@@ -113,13 +134,26 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
             if survivors and max(survivors) > f["last"][0]:  # the survivors stepped: the pause since their last step
                 f["stall"] = max(f["stall"], now - f["last"][1])
                 f["last"] = (max(survivors), now)
+            if f["group"] == "lighthouse":  # back: every group past the fault's step (none of them was hit)
+                if len(survivors) == job.args.replica_groups and min(survivors) > f["step"]:
+                    f["back"], f["during"] = now - f["t"], 0
+                    f["restarts"] = len(starts(text)) - f["starts"]
+                continue
             # back with the others: its new process at a step past the fault's, and at least the survivors' (less
             # one: the files are read one after the other), while they still run (not one that trained alone
             # from its own checkpoint after they finished)
             healed = job.progress(dirs[f["group"]])
+            if (f["kind"] == "heal" and f["again"] is None and healed is not None and healed[0] == "start"
+                    and healed[2] not in f["stale"]):  # fmt: skip
+                # its restart's first step, in which it heals: SIGKILLed again (the whole group)
+                again = pids[f["group"]]
+                f["again"], f["stale"] = again, {*f["stale"], again, *children(again), healed[2]}
+                inject(Fault("node", 0.0, 0.0), again)
+                continue
             running = [g for g in pids if g != f["group"] and Path(f"/proc/{pids[g]}").exists()]
-            if (healed is not None and healed[2] not in f["stale"] and healed[1] > f["step"] and running
-                    and healed[1] >= max(survivors, default=0) - 1):  # fmt: skip
+            if (healed is not None and healed[0] != "start" and healed[2] not in f["stale"] and healed[1] > f["step"]
+                    and running and healed[1] >= max(survivors, default=0) - 1
+                    and (f["kind"] != "heal" or f["again"] is not None)):  # fmt: skip
                 # it healed to the survivors' step and committed the next with them: theirs alone came before
                 f["back"], f["during"] = now - f["t"], max(0, healed[1] - 1 - f["step"])
                 f["restarts"] = sum(1 for g, _, _ in starts(text)[f["starts"] :] if g != f["group"])
@@ -150,6 +184,7 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
                 watch()
                 time.sleep(0.02)
             group = f"group_{1 + min(int(fault.target * (job.args.replica_groups - 1)), job.args.replica_groups - 2)}"
+            group = "lighthouse" if fault.kind == "lighthouse" else group
             at = now + max(1, round(fault.delay * every))
             while True:
                 alive()
@@ -157,15 +192,20 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
                 dirs = {g: d for g, _, d in starts(output())}
                 steps = [s for d in dirs.values() if (s := step_of(d)) is not None]
                 if steps and max(steps) >= at:
-                    victim = current_pids(output()).get(group)
-                    stale = {victim, *children(victim)} if victim is not None else set()  # its processes before
-                    if (pid := inject(fault, victim, job.args.nproc_per_node)) is not None:
+                    if group == "lighthouse":
+                        victim, stale = lighthouse_pid(output()), set()
+                        pid = inject(Fault("node", 0.0, 0.0), victim)  # SIGKILL, its process alone
+                    else:
+                        victim = current_pids(output()).get(group)
+                        stale = {victim, *children(victim)} if victim is not None else set()  # its processes before
+                        pid = inject(fault, victim, job.args.nproc_per_node, hang_s)
+                    if pid is not None:
                         break
                 time.sleep(0.01)
             hit = max(s for g, d in dirs.items() if g != group and (s := step_of(d)) is not None)
             t = time.monotonic() - start
             faults.append({"kind": fault.kind, "group": group, "pid": pid, "stale": stale, "t": t, "step": hit,
-                           "last": (hit, t),
+                           "last": (hit, t), "again": None,
                            "starts": len(starts(output())), "stall": 0.0, "back": None, "during": None,
                            "restarts": None})  # fmt: skip
             while faults[-1]["back"] is None:  # the next fault only once this one's group is back
@@ -186,7 +226,7 @@ def run_faulted_groups(job: Job, schedule: list[Fault], every: int, timeout: flo
         job.stop()
     for f in faults:  # a group never back: the survivors' restarts and steps until the end
         if f["restarts"] is None:
-            f["restarts"] = sum(1 for g, _, _ in starts(job.output())[f["starts"] :] if g != f["group"])
+            f["restarts"] = sum(1 for g, _, _ in starts(events.read(job.root))[f["starts"] :] if g != f["group"])
             f["during"] = f["last"][0] - f["step"]
     return faults, time.monotonic() - start
 

@@ -10,7 +10,7 @@
 - ``torch.py``: torch's own (torchdata's loader state, the c10d store and timeout, distributed checkpoint metadata,
   DTensor's strided shards);
 - ``torchft.py``: torchft's DDP wrapper (its communication hook, which crashes when a peer group dies mid
-  all-reduce) and its checkpoint transport (a healing group's peer state read weights-only);
+  all-reduce) and its manager server (bound to the group's address, not every interface);
 - ``muon.py``: torch's Muon stepped in batches (:class:`~lit_ddp.compat.muon.BatchedMuon`), where torch has no
   batched step yet;
 - ``imports.py``: the installed versions and the one way a private name is imported.
@@ -104,11 +104,11 @@ from lit_ddp.compat.torch import (
     worker_seed,
 )
 from lit_ddp.compat.torchft import (
+    bind_manager_server,
     comm_hook,
     fault_tolerant_ddp,
+    manager_binds_every_interface,
     stock_hook_survives_failed_allreduce,
-    transport_loads_weights_only,
-    weights_only_transport,
 )
 
 __all__ = [
@@ -121,6 +121,7 @@ __all__ = [
     "TORCH_VERSION",
     "after_lightning_signal_handlers",
     "batches_that_stepped",
+    "bind_manager_server",
     "checkpoint_state_key",
     "DDPOnTheTrainingStream",
     "collect_rng_states",
@@ -141,6 +142,7 @@ __all__ = [
     "is_strided_shard",
     "last_saved_step",
     "log_metrics",
+    "manager_binds_every_interface",
     "loop_progress",
     "next_train_batch",
     "optimizer_steps",
@@ -162,8 +164,6 @@ __all__ = [
     "should_update_logs",
     "show_resumed_epoch",
     "stock_hook_survives_failed_allreduce",
-    "transport_loads_weights_only",
-    "weights_only_transport",
     "fix_last_batch_restart",
     "strategy_timeout",
     "tensorboard_hparams",

@@ -1,6 +1,7 @@
-"""torchft's DDP wrapper and checkpoint transport: a replica group whose peer dies in the middle of the cross-group
-all-reduce keeps training instead of crashing (:func:`fault_tolerant_ddp`), and a healing group loads its peer's state
-weights-only (:func:`weights_only_transport`).
+"""torchft's DDP wrapper and manager server: a replica group whose peer dies in the middle of the cross-group
+all-reduce keeps training instead of crashing (:func:`fault_tolerant_ddp`), and each group's manager server listens on
+the group's own address instead of every interface (:func:`bind_manager_server`). (A healing group's transport is
+lit-ddp's own, through torchft's public ``checkpoint_transport`` argument: :mod:`lit_ddp.ft.transport`.)
 
 torchft's ``DistributedDataParallel`` (0.2.0) averages each gradient bucket across replica groups in a
 communication hook, ``torchft.ddp.DistributedDataParallel._comm_hook``: it waits on ``Manager.allreduce``'s work and
@@ -111,28 +112,40 @@ def stock_hook_survives_failed_allreduce() -> bool:
     return True
 
 
-def weights_only_transport() -> None:
-    """Makes torchft's HTTP checkpoint transport read a peer's state weights-only (tensors and plain data). torchft
-    0.2.0's ``HTTPTransport.recv_checkpoint`` (its ``_load_from_address``) calls torch's private
-    ``_streaming_load(f, weights_only=False)``, a plain
-    unpickle of whatever answers at the address the quorum gives (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` does not reach it:
-    it is not ``torch.load``); the state a lit-ddp group sends (:class:`lit_ddp.ft.heal.PeerState`) is tensors and
-    plain data. Idempotent; :func:`transport_loads_weights_only` shows whether torchft still asks for pickles.
+def bind_manager_server(host: str) -> None:
+    """Makes torchft's manager server (the gRPC server a group's rank 0 runs: quorums, ``should_commit``, the heal
+    source's address, and an unauthenticated ``Kill``) listen on ``host`` only. torchft 0.2.0's ``Manager.__init__``
+    binds it to ``[::]:<port>``, every interface, and takes no bind address (only the ``hostname`` it advertises,
+    which the strategy sets to ``host`` too); no upstream issue or pull request about it was found (searched
+    2026-12: torchft issues, "manager bind", "authentication"). Patched: the ``ManagerServer`` name
+    ``torchft.manager`` calls, with the bind's host replaced by ``host`` (the port kept). Idempotent; the last
+    ``host`` given wins (one group per process). :func:`manager_binds_every_interface` shows whether torchft still
+    binds ``[::]``.
+
+    Raises:
+        ImportError: torchft is not installed.
     """
-    module: Any = importlib.import_module("torchft.checkpointing.http_transport")
-    load = module._streaming_load
-    if getattr(load, "lit_ddp_weights_only", False):
+    module: Any = importlib.import_module("torchft.manager")
+    global _manager_host
+    _manager_host = host
+    if getattr(module.ManagerServer, "lit_ddp_bound", False):
         return
+    server = module.ManagerServer
 
-    def weights_only(f: Any, *args: Any, weights_only: bool = True, **kwargs: Any) -> Any:
-        return load(f, *args, weights_only=True, **kwargs)
+    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
+        port = bind.rsplit(":", 1)[1]
+        host = f"[{_manager_host}]" if ":" in _manager_host else _manager_host
+        return server(*args, bind=f"{host}:{port}", **kwargs)
 
-    weights_only.lit_ddp_weights_only = True  # type: ignore[attr-defined]
-    module._streaming_load = weights_only
+    bound.lit_ddp_bound = True  # type: ignore[attr-defined]
+    module.ManagerServer = bound
 
 
-def transport_loads_weights_only() -> bool:
-    """Whether torchft's own HTTP transport loads weights-only (then :func:`weights_only_transport` is no longer
-    needed): read from the source of the module that loads a peer's answer."""
-    module = importlib.import_module("torchft.checkpointing.http_transport")
-    return "weights_only=False" not in inspect.getsource(module)
+_manager_host = "127.0.0.1"
+
+
+def manager_binds_every_interface() -> bool:
+    """Whether torchft's ``Manager`` still binds its server to every interface (``[::]``), which
+    :func:`bind_manager_server` undoes: read from the source of ``Manager.__init__``."""
+    manager = importlib.import_module("torchft.manager")
+    return 'bind = f"[::]:{port}"' in inspect.getsource(manager.Manager.__init__)

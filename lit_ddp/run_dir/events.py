@@ -7,8 +7,8 @@ Both sides name the events through this module:
 - :data:`RESUMED` ``{"path", "global_step", "epoch", "restart"}``: a fit continues from a checkpoint;
 - :data:`RESTORE_CHECK` ``{"path", "passed", "entries"}`` or ``{"path", "passed": false, "first", "rank",
   "message"}``: the restore check of that resume (:mod:`lit_ddp.resilience.restore_check`);
-- :data:`GROUP_STARTED` ``{"group", "pid", "run_dir"}``: the torchft launcher started a replica group (in the
-  launcher's root directory).
+- :data:`GROUP_STARTED` ``{"group", "pid", "run_dir"}`` and :data:`LIGHTHOUSE_STARTED` ``{"pid", "address"}``: the
+  torchft launcher started a replica group's process, or its lighthouse's (in the launcher's ``--root``).
 
 Each record also holds ``"event"`` (its kind) and ``"time"`` (seconds since the epoch). A record is appended in one
 ``write`` of at most a few hundred bytes with ``O_APPEND`` (local file systems append it whole); a run directory in
@@ -30,16 +30,18 @@ from lit_ddp.run_dir.layout import EVENTS
 RESUMED = "resumed"
 RESTORE_CHECK = "restore_check"
 GROUP_STARTED = "group_started"
+LIGHTHOUSE_STARTED = "lighthouse_started"
 MAX_BYTES = 16 << 20
 
 
-def record(run_dir: str | os.PathLike, event: str, **fields: Any) -> None:
-    """Appends one ``event`` with ``fields`` (JSON values) to ``run_dir``'s records; nothing where ``run_dir`` is not
-    a local directory. Never raises for a record it cannot write: the run matters more than its record."""
-    if "://" in str(run_dir) or not os.path.isdir(run_dir):
+def record(directory: str | os.PathLike, event: str, **fields: Any) -> None:
+    """Appends one ``event`` with ``fields`` (JSON values) to the records of ``directory`` (a run directory, or a
+    launcher's root); nothing where it is not a local directory. Never raises for a record it cannot write: the run
+    matters more than its record."""
+    if "://" in str(directory) or not os.path.isdir(directory):
         return
     line = json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
-    path = os.path.join(run_dir, EVENTS)
+    path = os.path.join(directory, EVENTS)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError:

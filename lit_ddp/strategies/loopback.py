@@ -86,20 +86,21 @@ def store(
     timeout: timedelta | None = None,
     multi_tenant: bool = False,
     wait_for_workers: bool = True,
+    host: str = LOOPBACK,
 ) -> dist.TCPStore:
-    """torch's TCPStore on ``127.0.0.1:port`` (port 0: a free one, then ``store.port``); the server side listens
-    there only (a socket bound here and handed to torch, which would otherwise bind every interface).
+    """torch's TCPStore on ``host:port`` (default ``127.0.0.1``; port 0: a free one, then ``store.port``); the server
+    side listens there only (a socket bound here and handed to torch, which would otherwise bind every interface).
 
     Raises:
         OSError: the port is taken (the store's server side).
     """
     timeout = default_pg_timeout if timeout is None else timeout
     if not is_master:
-        return dist.TCPStore(LOOPBACK, port, world_size, False, timeout)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((LOOPBACK, port))
+        listener.bind((host, port))
         listener.listen(128)
     except OSError:
         listener.close()
@@ -107,7 +108,7 @@ def store(
     port = listener.getsockname()[1]
     # The store owns the descriptor from here on (a closed Python socket would close it under torch).
     return dist.TCPStore(
-        LOOPBACK,
+        host,
         port,
         world_size,
         True,

@@ -1,6 +1,7 @@
-"""``lit-ddp chaos --launcher torchft`` (issue 54): two replica groups of the regression on CPU, one group's worker
-SIGKILLed at a moment drawn from the seed; the report's facts per fault (no survivor restarted, the survivors
-stepped while the group was down), the groups bit-identical at the end, the calibrated verdict. The launcher alone:
+"""``lit-ddp chaos --launcher torchft`` (issues 54, 61): replica groups of the regression on CPU, faults at moments
+drawn from the seed: two groups, one group's worker SIGKILLed; three groups, a kill during a heal, a hang and the
+lighthouse lost. The report's facts per fault (no survivor restarted, the survivors stepped while the group was down),
+the groups bit-identical at the end, the calibrated verdict. The launcher alone:
 ``tests/system/test_torchft.py``; chaos's options: ``tests/unit/chaos/test_chaos.py``."""
 
 from __future__ import annotations
@@ -53,4 +54,41 @@ def test_chaos_kills_a_replica_group_and_the_other_goes_on(tmp_path: Path, runne
     assert back != "-" and int(during) > 0, result.stdout + log  # it stepped on alone; the group came back
     assert "groups: group_0, group_1 end identical, bit for bit" in result.stdout, result.stdout + log
     assert "group_0: within 3 x the spread of two uninterrupted runs (seeds " in result.stdout
+    assert result.returncode == 0, result.stdout + log
+
+
+@pytest.mark.timeout(1500)
+def test_chaos_three_groups_a_kill_during_a_heal_a_hang_and_the_lighthouse(
+    tmp_path: Path, runner: Runner, seed: int
+) -> None:
+    """Three groups, the faults issue 61 adds, in an order drawn from the seed: ``heal`` (a group SIGKILLed, then its
+    restart SIGKILLed again in its first step, as it heals), ``hang`` (a group SIGSTOPped: the launcher ends it once
+    its step has stood ``--stall_timeout_s`` while the others commit, and it heals) and ``lighthouse`` (SIGKILLed,
+    started again at its address). Per fault: no survivor restarted, the hit group back with the others; the three
+    groups end identical bit for bit (the launcher's own check, and chaos's), and the calibrated verdict holds."""
+    slow = write_callbacks_config(
+        tmp_path / "slow.yaml",
+        callback(
+            StepTrace, directory=str(tmp_path / "trace"), sleep=dict.fromkeys(("group_0", "group_1", "group_2"), 0.02)
+        ),
+    )
+    cmd = lit_ddp("chaos", "--launcher", "torchft", "--replica_groups", "3", "--heartbeat_timeout_ms", "1000",
+                  "--stall_timeout_s", "8", "--faults", "3", "--kinds", "heal", "hang", "lighthouse",
+                  "--seed", str(seed), "--root", str(tmp_path / "chaos"), "--timeout", "500", "--",
+                  "fit", *compose("trainer/torchft", "regression/single_device"), "--config", str(slow),
+                  "--trainer.strategy.init_args.timeout", "0:00:05",
+                  "--trainer.max_steps", "1000", "--trainer.max_epochs", "-1", "--trainer.limit_val_batches", "0",
+                  "--trainer.num_sanity_val_steps", "0")  # fmt: skip
+    result = runner.run(cmd, timeout=1450, OMP_NUM_THREADS="1", RUST_LOG="error")
+    print(result.stdout)
+    faulted = tmp_path / "chaos" / "faulted.log"
+    log = faulted.read_text()[-4000:] if faulted.exists() else ""
+    assert f"seed {seed}" in result.stdout, result.stdout
+    rows = fault_rows(result.stdout)
+    assert sorted(row[1] for row in rows) == ["hang", "heal", "lighthouse"], result.stdout
+    for row in rows:
+        restarts, back = row[7], row[10]
+        assert restarts == "0" and back != "-", result.stdout + log  # nobody else restarted; the group came back
+    assert "lit_ddp.ft.launch: every group finished with the same state" in log, log
+    assert "groups: group_0, group_1, group_2 end identical, bit for bit" in result.stdout, result.stdout + log
     assert result.returncode == 0, result.stdout + log

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from pathlib import Path
 
 from tests.helpers import REPO
 
@@ -41,8 +40,10 @@ def test_sbatch_scripts_as_the_issue_asks() -> None:
 
 def test_torchft_sbatch_script() -> None:
     """slurm/train_torchft.sbatch: valid bash, usage and status 2 outside a job or without CONFIG, the torchft fragment
-    before CONFIG, one srun step per group pinned to its node, the lighthouse bound to the first node's address (not
-    every interface), no site details. (It runs on two Slurm nodes in tests/system/test_slurm_torchft.py.)"""
+    before CONFIG, the launcher's Slurm mode in the batch shell (which starts each group as an srun step), a job that
+    survives a lost node (--no-kill) and is requeued after a preemption, the job's secret made at run time and never
+    printed, the lighthouse bound to the first node's address (not every interface), no site details. (It runs on
+    Slurm nodes in tests/system/test_slurm_torchft.py.)"""
     script = REPO / "slurm" / "train_torchft.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -52,43 +53,28 @@ def test_torchft_sbatch_script() -> None:
         )
         assert done.returncode == 2 and done.stderr.startswith("usage: sbatch"), done.stderr
     text = script.read_text()
-    assert re.search(r'srun --nodes 1 --ntasks 1 --relative "\$i"', text)
-    assert 'FIT=("$PYTHON" -m lit_ddp fit)' in text  # a group of one process; several: torchrun (the next test)
-    assert re.search(r'"\$\{FIT\[@\]\}" .*--config "\$FRAGMENT" --config "\$CONFIG"', text)
+    for option in ("--nodes=3", "--no-kill", "--signal=SIGUSR1@90", "--requeue"):
+        assert re.search(rf"^#SBATCH {option}$", text, re.M), option
+    assert re.search(r'"\$PYTHON" -m lit_ddp\.ft\.launch --slurm --replica_groups "\$GROUPS_N"', text)
+    assert re.search(r'-- fit .*--config "\$FRAGMENT" --config "\$CONFIG"', text)
     assert "FRAGMENT=configs/trainer/torchft.yaml" in text
-    assert 'LighthouseServer(bind=f"{addr}:{port}"' in text and "addr = socket.gethostbyname(head)" in text
+    assert re.search(r"^LIT_DDP_JOB_SECRET=\$\(od -An -N32 -tx1 /dev/urandom", text, re.M)
+    assert not re.search(r"echo[^\n]*JOB_SECRET", text)  # never printed
+    assert 'address=$(getent ahostsv4 "${names[0]}"' in text and '--bind "${address}:${LIGHTHOUSE_PORT:-0}"' in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert not re.search(r"^#SBATCH +(--partition|-p |--account|-A )", text, re.M)
 
 
-def test_torchft_sbatch_groups_of_several_processes(tmp_path: Path) -> None:
-    """NPROC_PER_GROUP W: checked before anything starts (status 2); W > 1, each group's task runs torchrun with W
-    processes (``--max_restarts 0``: the script restarts the group), ``--trainer.devices W`` after the configs, and
-    its shell turns the bad-use file a worker created into status 2, torchrun's own status (1) otherwise."""
+def test_torchft_sbatch_checks_its_layout() -> None:
+    """NPROC_PER_GROUP W and SPARE_NODES: checked before anything starts (status 2, one line): W >= 1, and more
+    nodes than spares (one group per node, the spares beside them)."""
     script = REPO / "slurm" / "train_torchft.sbatch"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    for bad in ("0", "two"):
+    for bad in ({"NPROC_PER_GROUP": "0"}, {"NPROC_PER_GROUP": "two"}, {"SPARE_NODES": "3"}):
         done = subprocess.run(
             ["bash", str(script), "configs/regression/single_device.yaml"],
-            cwd=REPO, env={**env, "SLURM_JOB_ID": "1", "NPROC_PER_GROUP": bad}, capture_output=True, text=True,
-            timeout=30,
+            cwd=REPO, env={**env, "SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "3", **bad}, capture_output=True,
+            text=True, timeout=30,
         )  # fmt: skip
-        assert done.returncode == 2 and f"NPROC_PER_GROUP must be a number of processes >= 1 (got '{bad}')" in (
-            done.stderr
-        ), done.stderr
-    text = script.read_text()
-    assert re.search(r'-m torch\.distributed\.run --standalone --nproc_per_node "\$NPROC"\s+--max_restarts 0', text)
-    assert re.search(r'--config "\$CONFIG" .*\s+.*"\$\{run\[@\]\}" --trainer\.devices "\$NPROC"', text)
-    assert "THREADS=$((CPUS / NPROC))" in text and "WORKERS=${LIT_DDP_LOADER_WORKERS:-$((THREADS > 1" in text
-
-    wrapper = re.search(r"^  bad_use='(.*?)'$", text, re.S | re.M)
-    assert wrapper, "the task shell's bad-use check"
-    seen = tmp_path / "bad_use_path"
-    for worker, expected in (
-        ('touch "$LIT_DDP_BAD_USE_FILE"; exit 1', 2),  # a worker exited for bad use; torchrun says 1
-        ("exit 1", 1),  # a crash: restarted
-        ("exit 0", 0),
-    ):
-        cmd = f'echo "$LIT_DDP_BAD_USE_FILE" > {seen}; {worker}'
-        done = subprocess.run(["bash", "-c", wrapper[1], "torchrun", "bash", "-c", cmd], timeout=30)
-        assert done.returncode == expected, (worker, done.returncode)
-        assert not Path(seen.read_text().strip()).parent.exists(), "the private directory was left behind"
+        assert done.returncode == 2 and "NPROC_PER_GROUP must be >= 1" in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr

@@ -1,5 +1,6 @@
-"""lit_ddp.compat.torchft: torchft's DDP hook dies on a failed all-reduce, ours returns a completed future; the
-torchft fragment without torchft is refused in one line."""
+"""lit_ddp.compat.torchft: torchft's DDP hook dies on a failed all-reduce, ours returns a completed future; torchft's
+manager server binds every interface, ours the group's address; the torchft fragment without torchft is refused in
+one line."""
 
 from __future__ import annotations
 
@@ -56,38 +57,44 @@ def test_without_torchft_the_fragment_is_refused_in_one_line(monkeypatch: pytest
     assert "\n" not in str(refused.value)
 
 
-class _Payload:
-    """Unpickled, it creates ``marker``: code from a peer's answer ran."""
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses (hexadecimal, as /proc/net/tcp writes them) of the sockets listening on ``port``."""
+    from pathlib import Path
 
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
+    return [
+        line.split()[1].rsplit(":", 1)[0]
+        for name in ("/proc/net/tcp", "/proc/net/tcp6")
+        if Path(name).exists()
+        for line in Path(name).read_text().splitlines()[1:]
+        if line.split()[3] == "0A" and int(line.split()[1].rsplit(":", 1)[1], 16) == port
+    ]
 
-    def __reduce__(self) -> tuple:
-        import builtins
 
-        return builtins.open, (self.marker, "w")
+def test_the_manager_server_listens_on_the_groups_address_only() -> None:
+    """torchft 0.2.0's Manager still binds its server to every interface (``[::]``, which answers an unauthenticated
+    ``Kill``): the workaround stays needed; with it the server a Manager starts listens on 127.0.0.1 alone."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
 
+    import torchft.manager
+    from torchft.coordination import LighthouseServer
 
-def test_a_peers_state_is_read_weights_only(tmp_path) -> None:
-    """torchft's HTTP transport still unpickles a peer's answer (``weights_only=False``): the workaround stays needed;
-    with it a pickle that would run code is refused and a state of tensors and plain data is read."""
-    import io
+    from lit_ddp.strategies import loopback
 
-    from torch.distributed._serialization import _streaming_save
-    from torchft.checkpointing import http_transport
-
-    assert not compat.transport_loads_weights_only(), "torchft reads weights-only now: drop weights_only_transport"
-    compat.weights_only_transport()
-    compat.weights_only_transport()  # idempotent
-    marker = tmp_path / "MARKER"
-    planted = io.BytesIO()
-    _streaming_save({"step": 3, "payload": _Payload(str(marker))}, planted)
-    planted.seek(0)
-    with pytest.raises(Exception, match="Unsupported global"):
-        http_transport._streaming_load(planted, weights_only=False)
-    assert not marker.exists()
-    good = io.BytesIO()
-    _streaming_save({"step": 3, "w": torch.ones(2), "groups": [{"lr": 0.1}]}, good)
-    good.seek(0)
-    state = http_transport._streaming_load(good, weights_only=False)
-    assert state["step"] == 3 and torch.equal(state["w"], torch.ones(2))
+    assert compat.manager_binds_every_interface(), "torchft binds its manager server elsewhere now: see compat"
+    compat.bind_manager_server("127.0.0.1")
+    compat.bind_manager_server("127.0.0.1")  # idempotent
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = loopback.store(0, None, True, wait_for_workers=False)
+    server = torchft.manager.ManagerServer(
+        replica_id="group_0", lighthouse_addr="http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1],
+        hostname="127.0.0.1", bind="[::]:0", store_addr=f"127.0.0.1:{store.port}", world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100), connect_timeout=timedelta(seconds=5), quorum_retries=0,
+    )  # fmt: skip
+    try:
+        port = int(server.address().rsplit(":", 1)[1])
+        assert server.address() == f"http://127.0.0.1:{port}"
+        assert listening_addresses(port) == ["0100007F"], listening_addresses(port)
+    finally:
+        server.shutdown()
+        lighthouse.shutdown()

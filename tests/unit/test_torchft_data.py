@@ -65,13 +65,24 @@ class ScriptedManager:
 
     def __init__(self, peer_state: Any, discard: set[int], on_quorum: Callable[[int, Any], None] | None) -> None:
         self.peer_state, self.discard, self.on_quorum, self.calls = peer_state, discard, on_quorum, 0
+        self.committed = 0
 
     def start_quorum(self) -> None:
         self.calls += 1
         if self.on_quorum is not None:
             self.on_quorum(self.calls, self.peer_state)
 
+    def num_participants(self) -> int:
+        return GROUPS
+
+    def errored(self) -> None:
+        return None
+
+    def current_step(self) -> int:
+        return self.committed
+
     def should_commit(self) -> bool:
+        self.committed += self.calls not in self.discard
         return self.calls not in self.discard
 
     def shutdown(self, wait: bool = True) -> None:
@@ -232,7 +243,7 @@ class Participants:
     """A manager whose quorums hold the given numbers of groups, one per ``start_quorum`` (the last repeated)."""
 
     def __init__(self, counts: list[int]) -> None:
-        self.counts, self.calls = counts, 0
+        self.counts, self.calls, self.reported = counts, 0, []
 
     def start_quorum(self) -> None:
         self.calls += 1
@@ -240,30 +251,54 @@ class Participants:
     def num_participants(self) -> int:
         return self.counts[min(self.calls, len(self.counts)) - 1]
 
+    def errored(self) -> None:
+        return None
 
-def test_a_group_resumed_from_disk_waits_for_every_group_then_for_no_longer_than_the_quorum_timeout() -> None:
-    """Before its first step a group resumed from disk asks for the quorum again until every group is in it (so an
-    older checkpoint heals from the newest rather than training alone), and goes on after ``quorum_timeout`` with
-    the groups there; it waits only once."""
+    def report_error(self, e: Exception) -> None:
+        self.reported.append(e)
+
+
+def settle(counts: list[int], timeout_s: float = 60.0) -> tuple[TorchFTStrategy, float]:
+    """A group's first step's quorum settled (:meth:`TorchFTStrategy._settle_quorum`) over quorums of ``counts``
+    groups; the strategy and the seconds it took."""
     import datetime
     import time
 
-    strategy = TorchFTStrategy(replica_id="group_1", replica_groups=GROUPS)
-    strategy.groups = GROUPS
-    strategy.manager = Participants([1, 1, GROUPS])
+    strategy = TorchFTStrategy(
+        replica_id="group_1", replica_groups=GROUPS, quorum_timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    strategy.groups, strategy.parallel_devices = GROUPS, [torch.device("cpu")]  # one process
+    strategy.manager = Participants(counts)
     strategy.manager.start_quorum()  # the step's own quorum, as optimizer_step asks it first
-    strategy._await_every_group = True
-    strategy._quorum_of_every_group()
-    assert strategy.manager.calls == 3 and not strategy._await_every_group
-
-    strategy.quorum_timeout = datetime.timedelta(seconds=0.6)
-    strategy.manager = Participants([1])
-    strategy.manager.start_quorum()
     started = time.monotonic()
-    strategy._quorum_of_every_group()
-    waited = time.monotonic() - started
-    assert waited >= 0.6 and strategy.manager.calls >= 3  # it asked again for the whole timeout
-    assert waited < 10  # then went on: 0.6 s and one retry's 0.2 s, with room for a machine 3x slower and more
+    strategy._settle_quorum()
+    return strategy, time.monotonic() - started
+
+
+def test_a_cold_start_waits_for_every_group_a_restart_for_a_live_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the job's first start (``$TORCHFT_COLD_START``) a group's first step asks for the quorum again until every
+    group is in it (so that an older checkpoint heals from the newest rather than training alone), and goes on after
+    ``quorum_timeout`` with the groups there; a restarted group waits for one live peer, and without one exits
+    without training (it would train alone on a stale state). Each waits once, at its first step."""
+    from lit_ddp.ft.strategy import COLD_START_ENV, NoLivePeer
+
+    monkeypatch.setenv(COLD_START_ENV, "1")
+    strategy, _ = settle([1, 1, GROUPS])
+    assert strategy.manager.calls == 3 and not strategy.manager.reported
+    strategy.manager = Participants([1])
+    strategy._settle_quorum()  # the second step: no more waiting
+    assert strategy.manager.calls == 0
+
+    strategy, waited = settle([1], timeout_s=0.6)
+    assert 0.6 <= waited < 10 and strategy.manager.calls >= 3  # asked again for the whole timeout, then went on
+    assert not strategy.manager.reported  # with the groups there: the step goes on
+
+    monkeypatch.delenv(COLD_START_ENV)
+    strategy, _ = settle([1, 1, 2, 1])
+    assert strategy.manager.calls == 3  # a restart: one peer is enough
+    with pytest.raises(NoLivePeer, match="found no live group to heal from") as alone:
+        settle([1], timeout_s=0.6)
+    assert "\n" not in str(alone.value) and alone.value.exit_code == 3
 
 
 class EditsOnLoad(Indices):
@@ -298,3 +333,88 @@ def test_a_heal_that_puts_back_another_state_than_the_peers_stops_before_trainin
     with pytest.raises(RestoreMismatchError, match=r"torchft heal: .* first at parameters/layer\.weight") as e:
         fit(monkeypatch, 1, max_steps=5, on_quorum=heal, module_class=EditsOnLoad)
     assert "\n" not in str(e.value)
+
+
+class Schedules(Indices):
+    """Draws from torch's RNG in every step (as dropout would) and steps a per-batch learning-rate schedule;
+    records ``(global_step, lr, draw)`` of every step."""  # numpy's and Python's are not put back: see the strategy
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float, float]] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.seen.append((self.trainer.global_step, lr, float(torch.rand(1))))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_a_discarded_step_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A discarded step's per-batch schedule does not step and its RNG draws are put back: the committed steps see
+    the learning rates and random numbers of an uninterrupted run, and the step after a discard draws what the
+    discarded one drew."""
+    print(f"\nsampler seed {SEED}")
+    torch.manual_seed(SEED)
+    _, plain = fit(monkeypatch, 1, max_steps=8, module_class=Schedules)
+    torch.manual_seed(SEED)
+    discard = {2, 5, 6}
+    trainer, faulted = fit(monkeypatch, 1, max_steps=8, discard=discard, module_class=Schedules)
+    assert trainer.strategy.discarded_steps == len(discard)
+    kept = [row for call, row in enumerate(faulted.seen, start=1) if call not in discard]
+    assert kept == plain.seen
+    for call in discard:
+        assert faulted.seen[call - 1] == faulted.seen[call]  # the step again: same step, lr and draw
+
+
+def test_a_training_step_returning_none_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's skip would keep the group out of the step's all-reduce (the others wait for it until their
+    timeout): refused, naming the step."""
+    from lit_ddp.errors import UsageError
+
+    class Skips(Indices):
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> Any:
+            return None if self.trainer.global_step == 2 else super().training_step(batch, batch_idx)
+
+    with pytest.raises(UsageError, match="training_step returned None at step 2") as refused:
+        fit(monkeypatch, 0, max_steps=4, module_class=Skips)
+    assert "\n" not in str(refused.value)
+
+
+def test_min_replicas_has_one_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's (``$TORCHFT_MIN_REPLICAS``, its lighthouse's) unless the strategy gives the same; another value,
+    or one above the groups (no step could commit), refused in one line."""
+    from lit_ddp.errors import UsageError
+    from lit_ddp.ft.strategy import MIN_REPLICAS_ENV
+
+    def resolved(given: int | None) -> int:
+        strategy = TorchFTStrategy(min_replicas=given, replica_groups=3)
+        strategy.groups = 3
+        return strategy._min_replicas()
+
+    assert resolved(None) == 1
+    monkeypatch.setenv(MIN_REPLICAS_ENV, "2")
+    assert resolved(None) == 2 and resolved(2) == 2
+    with pytest.raises(UsageError, match="min_replicas 3 is not the launcher's --min_replicas 2"):
+        resolved(3)
+    monkeypatch.delenv(MIN_REPLICAS_ENV)
+    with pytest.raises(UsageError, match="min_replicas 4 must be between 1 and the 3 replica groups"):
+        resolved(4)
+
+
+def test_too_many_discarded_steps_stop_the_group_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchft's ``max_retries`` (the strategy passes it): where its ``should_commit`` gives up, the group stops with
+    one line naming the setting, instead of re-reading one batch forever."""
+    from lit_ddp.errors import LitDDPError
+
+    def gives_up(self: ScriptedManager) -> bool:
+        raise RuntimeError("should_commit failed 11 times consecutively, exceeding max_retries=10")
+
+    monkeypatch.setattr(ScriptedManager, "should_commit", gives_up)
+    with pytest.raises(LitDDPError, match="11 steps in a row discarded at step 0 .*max_retries 10") as stopped:
+        fit(monkeypatch, 0, max_steps=3)
+    assert "\n" not in str(stopped.value)

@@ -44,7 +44,7 @@ FIT = ["--", "--config", "configs/regression/single_device.yaml"]
         (["--launcher", "torchft", "--replica_groups", "1", *FIT], "--replica_groups 1: give at least 2"),
         (
             ["--launcher", "torchft", "--kinds", "kill", "term", *FIT],
-            "--kinds term: --launcher torchft injects kill, node (what its launcher restarts",
+            "--kinds term: --launcher torchft injects kill, node, hang, heal, lighthouse (a group's worker killed",
         ),
         (["--launcher", "torchft", "--rtol", "0.1", *FIT], "--launcher torchft compares by --calibrated K"),
         (
@@ -247,19 +247,16 @@ def test_torchft_runs_under_its_launcher_with_the_calibrated_comparison(tmp_path
     assert "--trainer.default_root_dir" not in cmd
 
 
-def test_the_torchft_table_reads_the_launcher_s_lines(capsys: pytest.CaptureFixture) -> None:
-    """The groups' pids and run directories come from the launcher's lines (the newest start of each); the table
+def test_the_torchft_table_reads_the_launcher_s_records(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The groups' pids and run directories come from the launcher's records (the newest start of each); the table
     gives per fault the group hit, the survivors' restarts, their longest pause, their steps while the group was
     down and the seconds until it was back ("-": never)."""
-    output = (
-        "lit_ddp.ft.launch: lighthouse http://127.0.0.1:1 (bind 127.0.0.1:0)\n"
-        "lit_ddp.ft.launch: group_0 pid 10 run directory runs/x/group_0\n"
-        "lit_ddp.ft.launch: group_1 pid 11 run directory runs/x/group_1\n"
-        "lit_ddp.ft.launch: group_1 exited with -9: restart 1\n"
-        "lit_ddp.ft.launch: group_1 pid 12 run directory runs/x/group_1\n"
-    )
-    assert current_pids(output) == {"group_0": 10, "group_1": 12}
-    assert group_dirs(output) == [Path("runs/x/group_0"), Path("runs/x/group_1")]
+    events.record(tmp_path, events.LIGHTHOUSE_STARTED, pid=9, address="http://127.0.0.1:1")
+    for group, pid in (("group_0", 10), ("group_1", 11), ("group_1", 12)):
+        events.record(tmp_path, events.GROUP_STARTED, group=group, pid=pid, run_dir=f"runs/x/{group}")
+    records = events.read(tmp_path)
+    assert current_pids(records) == {"group_0": 10, "group_1": 12}
+    assert group_dirs(records) == [Path("runs/x/group_0"), Path("runs/x/group_1")]
     back = {"kind": "kill", "group": "group_1", "pid": 11, "t": 8.25, "step": 180, "restarts": 0, "stall": 2.04,
             "during": 44, "back": 3.71}  # fmt: skip
     never = {**back, "kind": "node", "restarts": 1, "during": 220, "back": None}
