@@ -3,7 +3,8 @@ train's model (``configs/mingpt/cpu.yaml``, gpt-nano) and at the tutorial's GPT 
 8 x 8 x 512, AdamW: a checkpoint of about 300 MB), one process unless said:
 
 - **save**: ``AtomicCheckpointIO``'s save with torch's CRC-32s (its default) against one without
-  (``torch.serialization.set_crc32_options(False)``); a sharded checkpoint's save (DCP's shards, ``meta.pt``,
+  (``torch.serialization.set_crc32_options(False)``), and ``torch.save`` into memory the same two ways (the CRC-32s'
+  share of the work, without the disk); a sharded checkpoint's save (DCP's shards, ``meta.pt``,
   the commit) with its digest record against one without;
 - **resume**: what a resume reads before it restores: on rank zero the choice (``choose``: the newest valid
   checkpoint, verified) and the load; on another rank the load; and a whole resume, ``trainer.fit`` from its start
@@ -18,6 +19,7 @@ train's model (``configs/mingpt/cpu.yaml``, gpt-nano) and at the tutorial's GPT 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import statistics
@@ -203,12 +205,12 @@ def measure(base: Path, size: str, skip: list[str], pair: Callable[..., None]) -
     path = make_checkpoint(base / "made", size)
     mb = path.stat().st_size / 1e6
     ckpt = untrusted.load(path)
-    io = AtomicCheckpointIO()
+    checkpoint_io = AtomicCheckpointIO()
     root = str(base / "made")
 
     def save(on: bool) -> float:
         with crc32(on):
-            return seconds(lambda: io.save_checkpoint(ckpt, base / "saved.ckpt"))
+            return seconds(lambda: checkpoint_io.save_checkpoint(ckpt, base / "saved.ckpt"))
 
     def read(rank_zero: bool, verify: bool) -> float:
         integrity.forget()
@@ -216,7 +218,7 @@ def measure(base: Path, size: str, skip: list[str], pair: Callable[..., None]) -
         def read_it() -> None:
             if rank_zero:
                 assert choose(list_candidates(root), root) == str(path)
-            io.load_checkpoint(path)
+            checkpoint_io.load_checkpoint(path)
 
         with contextlib.nullcontext() if verify else unverified():
             return seconds(read_it)
@@ -240,8 +242,13 @@ def measure(base: Path, size: str, skip: list[str], pair: Callable[..., None]) -
         with contextlib.nullcontext() if verify else unverified():
             return seconds(lambda: sharded_resume(directory, state))
 
+    def save_in_memory(on: bool) -> float:
+        with crc32(on):
+            return seconds(lambda: torch.save(ckpt, io.BytesIO()))
+
     if "save" not in skip:
         pair("save (torch's CRC-32s)", size, mb, save)
+        pair("torch.save into memory (its CRC-32s)", size, mb, save_in_memory)
     if "resume" not in skip:
         pair("resume read, rank 0 (choose + load)", size, mb, lambda v: read(True, v))
         pair("resume read, another rank (load)", size, mb, lambda v: read(False, v))
