@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.errors import ReplicaMismatchError
 
@@ -35,8 +36,8 @@ class ReplicaCheck(Callback):
     so replicas that are bit-identical, as DDP's are (every rank applies the same averaged gradient to the same
     parameters), give identical fingerprints on any device; one changed bit changes its tensor's sum. The ranks exchange them in one ``all_gather`` of ``(world_size, tensors)`` integers;
     steps that do not check do nothing on the device and never wait on it. Skipped where nothing is replicated:
-    one process, and strategies other than DDP (FSDP2 and tensor parallelism shard the parameters; torchft's
-    replica groups are checked by torchft's own quorum). Buffers are not compared (DDP does not keep them equal
+    one process, and a model that DDP does not wrap whole (FSDP2 and tensor parallelism shard the parameters;
+    torchft's replica groups are left to torchft). Buffers are not compared (DDP does not keep them equal
     unless it broadcasts them).
 
     Args:
@@ -55,18 +56,20 @@ class ReplicaCheck(Callback):
         self._active = False
         self._checked_step = -1  # the global_step last checked: a save right after a check is not checked twice
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After the strategy's set-up: replicas are a module DDP wraps, on more than one process (not torchft's groups,
+        # whose steps the quorum may discard on some; not a strategy that gives each rank other parameters).
         strategy = trainer.strategy
         self._active = (
-            stage == "fit"
-            and self.every_n_steps > 0
+            self.every_n_steps > 0
             and trainer.world_size > 1
-            and type(strategy).__name__ != "TorchFTStrategy"
             and isinstance(strategy, DDPStrategy)
+            and type(strategy).__name__ != "TorchFTStrategy"
+            and isinstance(strategy.model, DistributedDataParallel)
         )
         self._checked_step = -1
-        if not self._active and stage == "fit" and trainer.world_size > 1:
-            rank_zero_debug(f"replica check: off under {type(strategy).__name__} (no replicated parameters compared)")
+        if not self._active and trainer.world_size > 1:
+            rank_zero_debug(f"replica check: off under {type(strategy).__name__} (no DDP replicas to compare)")
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

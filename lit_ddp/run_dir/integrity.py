@@ -373,7 +373,12 @@ def verifying(f: IO[bytes], name: str, header: Any = None, in_background: bool =
         return
     found.sort(key=lambda r: -r.size)  # the largest first: the threads end together
     if not (in_background and reader.parallel):
-        _raise_failure(_check_records(reader, found), found, name, header)
+        try:
+            failure = _check_records(reader, found)
+        finally:  # a file read by seeking (fsspec's, in memory) is read next from its start
+            with contextlib.suppress(OSError, ValueError):
+                f.seek(0)
+        _raise_failure(failure, found, name, header)
         _remember(key)
         yield
         return

@@ -5,10 +5,12 @@ one bit), what it covers, when the callback checks and what it says. Two DDP pro
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.resilience import replica_check
 from lit_ddp.resilience.replica_check import ReplicaCheck, _difference, fingerprint, replicated_tensors
@@ -93,19 +95,25 @@ def test_the_line_names_the_ranks_that_differ_and_their_hosts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "world_size", "stage", "active"),
+    ("strategy", "world_size", "wrapped", "active"),
     [
-        (DDPStrategy(), 2, "fit", True),
-        (DDPStrategy(), 2, "validate", False),
-        (DDPStrategy(), 1, "fit", False),
-        (SingleDeviceStrategy(CPU), 1, "fit", False),
-        (ModelParallelStrategy(), 2, "fit", False),  # FSDP2 and tensor parallelism: sharded, not replicated
+        (DDPStrategy(), 2, True, True),
+        (DDPStrategy(), 1, False, False),  # one process: lit-ddp's DDPStrategy trains the module unwrapped
+        (DDPStrategy(), 2, False, False),  # a DDPStrategy whose ranks hold other parameters (not DDP-wrapped)
+        (SingleDeviceStrategy(CPU), 1, False, False),
+        (ModelParallelStrategy(), 2, False, False),  # FSDP2 and tensor parallelism: sharded, not replicated
     ],
-    ids=["ddp", "ddp-validate", "ddp-one-process", "one-device", "fsdp2"],
+    ids=["ddp", "ddp-one-process", "ddp-unwrapped", "one-device", "fsdp2"],
 )
-def test_it_checks_only_replicas(strategy: object, world_size: int, stage: str, active: bool) -> None:
+def test_it_checks_only_replicas(
+    strategy: Any, world_size: int, wrapped: bool, active: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = torch.nn.Linear(2, 2)
+    if wrapped:  # a DistributedDataParallel without a process group: its class is what counts
+        module = object.__new__(DistributedDataParallel)
+    monkeypatch.setattr(type(strategy), "model", property(lambda self: module), raising=False)
     check = ReplicaCheck(every_n_steps=5)
-    check.setup(SimpleNamespace(strategy=strategy, world_size=world_size), None, stage)  # type: ignore[arg-type]
+    check.on_fit_start(SimpleNamespace(strategy=strategy, world_size=world_size), None)  # type: ignore[arg-type]
     assert check._active is active
 
 

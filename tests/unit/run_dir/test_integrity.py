@@ -4,6 +4,7 @@ damaged is named, once per file and process. Whole runs: ``tests/system/test_int
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from pathlib import Path
@@ -65,6 +66,19 @@ def test_a_flipped_bit_is_named_with_the_tensor_it_changed(tmp_path: Path) -> No
     assert "(state_dict['weight']) does not match the CRC-32 torch.save wrote with it" in why
     with pytest.raises(DamagedCheckpointError, match=r"last.ckpt: its record last/data/\d+ \(state_dict\['weight'\]\)"):
         untrusted.load(path)
+
+
+def test_a_file_without_a_descriptor_is_checked_and_read_from_its_start(tmp_path: Path) -> None:
+    """An in-memory or fsspec file is checked by seeking (no os.pread), then read whole: the check leaves it at its
+    start for the load (generate reads a sharded checkpoint so, consolidated into memory)."""
+    buffer = io.BytesIO(checkpoint(tmp_path / "a.ckpt").read_bytes())
+    buffer.seek(100)
+    assert untrusted.load(buffer)["global_step"] == 3
+    damaged = tmp_path / "b.ckpt"
+    damaged.write_bytes(buffer.getvalue())
+    flip_payload_bit(damaged)
+    with pytest.raises(DamagedCheckpointError, match=r"its record a/data/\d+ \(state_dict\['weight'\]\)"):
+        untrusted.load(io.BytesIO(damaged.read_bytes()))
 
 
 def test_an_optimizer_state_and_the_header_are_named(tmp_path: Path) -> None:
