@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python scripts/main_job.py)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-startup bench-speed bench-recovery bench-fsdp bench-gpu bench-launches bench-syncs clean \
+.PHONY: venv train test test-fast lint format bench bench-startup bench-speed bench-recovery bench-fsdp bench-gpu bench-launches bench-syncs bench-integrity clean \
 	step1 step2 step3 step4 step5 notebooks
 
 $(BIN)/.installed: pyproject.toml
@@ -113,6 +113,11 @@ bench-launches: venv
 # The GPU main job's host-device syncs per training step, counted on this CPU (a tiny gpu.yaml fit; about a minute).
 bench-syncs: venv
 	$(BIN)/python -m bench.host_syncs $(BENCH_ARGS)
+
+# What verifying checkpoints and replicas costs: saves and resumes with and without digests, the replica check per
+# step (make train's model and the tutorial's GPT; docs/fault_tolerance.md, "What is verified").
+bench-integrity: venv
+	$(BIN)/python -m bench.integrity $(BENCH_ARGS)
 
 # FSDP2 against DDP: the bytes each rank holds after a step (tutorial-size GPT, 1 and 2 processes; about a minute).
 bench-fsdp: venv

@@ -54,6 +54,7 @@ from lit_ddp.resilience.exact_resume import ExactResume
 from lit_ddp.resilience.finite_loss import FiniteLossGuard
 from lit_ddp.resilience.periodic_checkpoint import PeriodicCheckpoint
 from lit_ddp.resilience.preemption import PreemptionCheckpoint
+from lit_ddp.resilience.replica_check import ReplicaCheck
 from lit_ddp.resilience.resume import start_from
 from lit_ddp.resilience.startup_timeout import StartupTimeout
 from lit_ddp.run_dir import layout, untrusted
@@ -137,6 +138,8 @@ class LitDDPCLI(LightningCLI):
       rank (:func:`lit_ddp.resilience.resume.start_from`); ``validate`` / ``test`` evaluate that checkpoint;
     - :class:`ExactResume` carries each rank's RNG, loader and metric state (``exact_resume``); ``startup.timeout``
       bounds the start-up (rendezvous, resume, restore) apart from the collective timeout (:class:`StartupTimeout`);
+      ``replica_check.every_n_steps`` how often the DDP ranks compare their parameters and optimizer states, and they
+      do before every save too (:class:`ReplicaCheck`; 0: never);
     - every trainer gets :class:`FiniteLossGuard` and :class:`PreemptionCheckpoint`, and writes every checkpoint
       atomically (:class:`AtomicCheckpointIO`) unless ``trainer.plugins`` names another ``CheckpointIO``; a write the
       run directory's file system refuses (read-only, full) ends in one line naming it and the checkpoint kept;
@@ -209,6 +212,7 @@ class LitDDPCLI(LightningCLI):
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.add_lightning_class_args(ExactResume, "exact_resume")
         parser.add_lightning_class_args(StartupTimeout, "startup")
+        parser.add_lightning_class_args(ReplicaCheck, "replica_check")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         # Facts the data decides reach the model through links (skipped when a class lacks the argument).

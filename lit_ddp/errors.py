@@ -38,6 +38,18 @@ class NoValidCheckpointError(LitDDPError):
     """Checkpoints exist in the run directory but none of them can be read."""
 
 
+class DamagedCheckpointError(UsageError):
+    """A checkpoint's bytes do not match the digest written with them (a bit changed on a disk, a file system or in a
+    copy since it was saved): the message names the file and the tensor or record that differs. Nothing of it is
+    used; exit status 2, as for any checkpoint that cannot be loaded."""
+
+
+class ReplicaMismatchError(LitDDPError):
+    """Under DDP the ranks' parameters or optimizer states, which must be bit-identical, differ
+    (:mod:`lit_ddp.resilience.replica_check`): a device or its memory changed one of them. Training stops before
+    another checkpoint is written; the last one saved before the difference is kept."""
+
+
 class RestoreMismatchError(LitDDPError):
     """A resumed fit restored a state other than the one its checkpoint holds
     (:mod:`lit_ddp.resilience.restore_check`); it stops before its first step."""

@@ -369,3 +369,22 @@ class ScalerLikePrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
         self.scale = torch.as_tensor(state_dict["scale"], dtype=torch.float64).clone()
         self.steps = int(state_dict["steps"])  # type: ignore[call-overload]
+
+
+class FlipBit(Callback):
+    """Silent data corruption on one device: at the end of optimizer step ``step`` (``trainer.global_step``), rank
+    ``rank`` flips the lowest mantissa bit of element ``element`` of parameter number ``parameter`` (a float32
+    tensor), in place; every other rank leaves its replica as it is."""
+
+    def __init__(self, step: int, rank: int = 1, parameter: int = 0, element: int = 0) -> None:
+        self.step, self.rank, self.parameter, self.element = step, rank, parameter, element
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            p = list(pl_module.parameters())[self.parameter]
+            with torch.no_grad():
+                p.view(-1).view(torch.int32)[self.element] ^= 1
+            print(
+                f"FlipBit: rank {self.rank} flipped a bit of parameter {self.parameter} at step {self.step}", flush=True
+            )
+            self.step = -1  # once

@@ -430,3 +430,50 @@ def tensorboard_steps(run_dir: str | Path) -> dict[str, list[int]]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def flip_payload_bit(path: str | Path) -> str:
+    """Flips the lowest mantissa bit of the first element of a tensor in the checkpoint ``path`` (the lowest bit of
+    the first byte of its data: little-endian float32), in place: a single file's first ``state_dict`` tensor, or a
+    sharded checkpoint's first ``state_dict`` entry in its last shard file. The file still parses and
+    ``torch.load`` returns the changed value without a word. Returns what a refusal must name: the tensor's
+    ``state_dict`` key (a single file) or its fully qualified name in the shards (``state_dict.model...``). Reads the
+    files with zipfile and torch only (no lit-ddp reader), so that it runs against any version of the package."""
+    import io
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def data_start(archive: Any, info: zipfile.ZipInfo) -> int:
+        """Where a zip record's bytes begin: past its local header (PKZIP APPNOTE 4.3.7: 30 bytes, then its name
+        and extra field)."""
+        archive.seek(info.header_offset)
+        header = archive.read(30)
+        return (
+            info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+        )
+
+    path = Path(path)
+    if path.is_dir():
+        entries = FileSystemReader(str(path)).read_metadata().storage_data  # a test's own file: a plain pickle is fine
+        last_shard = max(info.relative_path for info in entries.values())
+        index, info = next(
+            (i, s) for i, s in entries.items() if s.relative_path == last_shard and i.fqn.startswith("state_dict.")
+        )
+        target = path / last_shard
+        entry = io.BytesIO(target.read_bytes()[info.offset : info.offset + info.length])
+        record = next(r for r in zipfile.ZipFile(entry).infolist() if "/data/" in r.filename and r.file_size)
+        at, name = info.offset + data_start(entry, record), index.fqn
+    else:
+        name, tensor = next(iter(torch.load(path, weights_only=True)["state_dict"].items()))
+        payload = bytes(tensor.untyped_storage())
+        with open(path, "rb") as f:
+            archive = zipfile.ZipFile(f)
+            record = next(r for r in archive.infolist() if "/data/" in r.filename and archive.read(r) == payload)
+            at, target = data_start(f, record), path
+    with open(target, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+    return name

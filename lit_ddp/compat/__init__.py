@@ -91,6 +91,7 @@ from lit_ddp.compat.strategies import (
     threads_like_rank_zero,
 )
 from lit_ddp.compat.torch import (
+    dcp_entries,
     dcp_full_state_planner,
     dcp_private_metadata_classes,
     dcp_storage_extents,
@@ -129,6 +130,7 @@ __all__ = [
     "compute_dtype",
     "dcp_full_state_planner",
     "dcp_private_metadata_classes",
+    "dcp_entries",
     "dcp_storage_extents",
     "default_store",
     "default_hp_metric",

@@ -76,6 +76,13 @@ def dcp_storage_extents(metadata: Any) -> dict[str, int]:
     return extents
 
 
+def dcp_entries(storage_data: Any) -> list[tuple[Any, str, int, int]]:
+    """A Distributed Checkpoint's entries as ``(index, file name, offset, length)``: ``storage_data`` (its
+    ``Metadata.storage_data``, or a reader's) maps each tensor chunk's ``MetadataIndex`` to a private
+    ``_StorageInfo``."""
+    return [(index, info.relative_path, info.offset, info.length) for index, info in storage_data.items()]
+
+
 def dcp_private_metadata_classes() -> dict[tuple[str, str], Any]:
     """The private classes a Distributed Checkpoint's ``.metadata`` pickle holds besides its public dataclasses, by
     ``(module, name)``: the file system writer's ``_StorageInfo`` (each entry's file, offset and length); empty where

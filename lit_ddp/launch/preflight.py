@@ -45,10 +45,10 @@ import torch
 import yaml
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_ddp.errors import UsageError
+from lit_ddp.errors import DamagedCheckpointError, UsageError
 from lit_ddp.launch.environment import config_value, devices_per_node, leading_int
 from lit_ddp.run_dir import layout, untrusted
-from lit_ddp.run_dir.checkpoints import checkpoint_header, is_valid_checkpoint
+from lit_ddp.run_dir.checkpoints import checkpoint_header, why_not_valid
 from lit_ddp.run_dir.layout import last_checkpoint
 
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")  # Lightning's ``_is_slurm_interactive_mode``
@@ -310,6 +310,8 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
 
     Raises:
         UsageError: the file does not exist, or is truncated / not a torch checkpoint.
+        DamagedCheckpointError: its bytes do not match the digests written with them (the record or shard entry and
+            the tensor named).
         UntrustedFileError: a URL, not a regular file, a file holding more than tensors and plain data (or more than
             this machine can hold), or a sharded checkpoint whose metadata holds more than its own classes.
     """
@@ -323,10 +325,18 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
         raise UsageError(
             f"--ckpt_path {ckpt_path} does not exist; give a .ckpt file of a run (e.g. {last_checkpoint('<run>')})"
         )
-    if not is_valid_checkpoint(str(ckpt_path)):
+    why = why_not_valid(str(ckpt_path))
+    if why is not None and why.startswith("is damaged"):
+        raise DamagedCheckpointError(
+            f"--ckpt_path {ckpt_path} {why}; it is not loaded: pick another .ckpt from the run's checkpoints/ "
+            "directory (an older one, or a copy of this one from elsewhere)"
+        )
+    if why is not None:
+        detail = why.removeprefix("is truncated or unreadable").strip()
         raise UsageError(
-            f"--ckpt_path {ckpt_path} is truncated or not a checkpoint (not a complete torch.save archive, nor a "
-            "sharded checkpoint's directory with all its shards); pick another .ckpt from the run's checkpoints/ directory"
+            f"--ckpt_path {ckpt_path} is truncated or not a checkpoint {detail}: not a complete torch.save archive, nor "
+            "a sharded checkpoint's directory with all its shards; pick another .ckpt from the run's checkpoints/ "
+            "directory"
         )
     if "://" not in str(ckpt_path) and os.path.isfile(ckpt_path):
         # LightningCLI loads a file's hyperparameters right after parsing (weights-only, with a traceback where it

@@ -31,9 +31,9 @@ from lit_ddp.errors import NoValidCheckpointError, ResumePointError, int_from_en
 from lit_ddp.run_dir import layout, untrusted
 from lit_ddp.run_dir.checkpoints import (
     checkpoint_step,
-    is_valid_checkpoint,
     ranked_checkpoints,
     set_aside_later_checkpoints,
+    why_not_valid,
 )
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,10 @@ def list_candidates(root_dir: str, checkpoint_dir: str | None = None) -> list[tu
 
 def choose(candidates: list[tuple[int, str]], root_dir: str) -> tuple[int, str] | None:
     """The valid checkpoint with the highest recorded step among ``candidates`` (:func:`list_candidates`), as
-    ``(step, path)``, or None when there are none. Only the chosen file is read in full (its CRCs); one that is not valid (cut short by a
-    kill) is named in a warning and the next one tried.
+    ``(step, path)``, or None when there are none. Only the chosen file is read in full, its bytes checked against
+    the digests written with them (:func:`~lit_ddp.run_dir.checkpoints.why_not_valid`); one that is not valid (cut
+    short by a kill, or damaged since it was saved) is named in one line, with what is wrong with it, and the next one
+    tried.
 
     Raises:
         NoValidCheckpointError: there are candidates and none is valid.
@@ -70,13 +72,14 @@ def choose(candidates: list[tuple[int, str]], root_dir: str) -> tuple[int, str] 
         # A file whose step cannot be read at all (step -1) ranks last, but is named all the same: it is most
         # likely the newest one, cut short by a kill.
         if step < 0:
-            log.warning("Checkpoint %s is truncated or unreadable; falling back to an older one.", path)
+            log.warning("Checkpoint %s %s; falling back to an older one.", path, why_not_valid(path) or "is unreadable")
     for step, path in candidates:
         if step < 0:
             break
-        if is_valid_checkpoint(path):
+        why = why_not_valid(path)
+        if why is None:
             return step, path
-        log.warning("Checkpoint %s is truncated or unreadable; falling back to an older one.", path)
+        log.warning("Checkpoint %s %s; falling back to an older one.", path, why)
     if candidates:
         raise _no_valid_checkpoint(root_dir, candidates)
     return None

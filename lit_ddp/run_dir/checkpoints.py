@@ -23,7 +23,8 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_ddp.run_dir import sharded, untrusted
+from lit_ddp.errors import DamagedCheckpointError
+from lit_ddp.run_dir import integrity, sharded, untrusted
 from lit_ddp.run_dir.layout import (
     CHECKPOINTS,
     HPC_GLOB,
@@ -40,28 +41,53 @@ def _join(fs: fsspec.AbstractFileSystem, root: str, *parts: str) -> str:
 
 
 def is_valid_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a complete ``torch.save`` archive (zip with intact CRCs, its structure and tensors as
-    :func:`lit_ddp.run_dir.untrusted.read_archive` checks them), or a sharded checkpoint's directory with such a
-    ``meta.pt`` and every shard its DCP metadata names (:mod:`lit_ddp.run_dir.sharded`).
+    """Whether ``path`` is a checkpoint a run may use (:func:`why_not_valid` finds nothing wrong with it).
 
-    Reads the whole file once (bytes), not the tensors into memory. A file truncated while being written,
-    or one that is not a torch checkpoint at all, is invalid.
+    Raises:
+        UntrustedFileError: a planted file (see :func:`why_not_valid`).
+    """
+    return why_not_valid(path) is None
+
+
+def why_not_valid(path: str) -> str | None:
+    """What is wrong with the checkpoint ``path``, in words that follow its name, or None when it is valid: a
+    complete ``torch.save`` archive (its structure and tensors as :func:`lit_ddp.run_dir.untrusted.read_archive`
+    checks them) whose every record matches the CRC-32 written with it, or a sharded checkpoint's directory with such a
+    ``meta.pt``, every shard its DCP metadata names in full, and every entry and its ``.metadata`` matching their
+    digests (:func:`lit_ddp.run_dir.sharded.verify`).
+
+    Reads the whole file once (bytes, in parallel threads), not the tensors into memory; a file verified before by
+    this process, and unchanged since, is not read again (:mod:`lit_ddp.run_dir.integrity`).
+
+    Returns:
+        ``"is truncated or unreadable (...)"`` for a file cut short by a kill or not a checkpoint at all;
+        ``"is damaged: ..."`` naming the record or shard entry, and the tensor, whose bytes do not match.
 
     Raises:
         UntrustedFileError: a planted file: not a regular file, a compressed record, a header or sharded metadata
             that is not a checkpoint's (:mod:`lit_ddp.run_dir.untrusted`).
     """
-    if sharded.is_sharded(path) and not sharded.shards_complete(path):
-        return False
     try:
-        with _open(sharded.meta_path(path)) as f:
-            untrusted.read_archive(f, path, header=False)  # its header: checkpoint_header
-            with zipfile.ZipFile(f) as zf:
-                return zf.testzip() is None
+        if sharded.is_sharded(path):
+            if not sharded.shards_complete(path):
+                return "is truncated or unreadable (a shard its .metadata names is missing or cut short)"
+            sharded.verify(path)
+            return None
+        with _open(path) as f:
+            untrusted.read_archive(f, path, header=False)  # the header: checkpoint_header, read once per process
+            integrity.verify_archive(f, path, header=lambda: checkpoint_header(path))
+    except DamagedCheckpointError as e:
+        return f"is damaged: {_without(str(e), path)}"
+    except untrusted.UntrustedFileError:
+        raise
     except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as e:
-        if isinstance(e, untrusted.UntrustedFileError):
-            raise
-        return False
+        return f"is truncated or unreadable ({_without(str(e), path)})"
+    return None
+
+
+def _without(reason: str, path: str) -> str:
+    """``reason`` without a leading ``path:`` (the caller names the file already)."""
+    return reason.removeprefix(f"{path}: ").removeprefix(f"{path} ") or "unreadable"
 
 
 @contextlib.contextmanager

@@ -7,8 +7,10 @@ the parameters and optimizer state, each rank writing its own shards; Lightning'
 atomically: Lightning writes into the target itself, so a process killed mid-save leaves a torn ``last.ckpt/``
 in place of the previous one. Here every rank writes into a hidden sibling directory (``.NAME.XXXX.tmp``, which no
 ``*.ckpt`` glob matches), and rank zero swaps it into place once every rank is done (``renameat2(RENAME_EXCHANGE)``
-on Linux). Listing checkpoints (:mod:`lit_ddp.run_dir.checkpoints`) reads such a directory's step from ``meta.pt``
-and checks that every shard file its ``.metadata`` names is there in full.
+on Linux), after writing the digest record of its ``.metadata`` into it (:mod:`lit_ddp.run_dir.integrity`: the
+record and the shards are of one save). Listing checkpoints (:mod:`lit_ddp.run_dir.checkpoints`) reads such a
+directory's step from ``meta.pt`` and checks that every shard file its ``.metadata`` names is there in full; a resume
+verifies every entry of the one it chooses (:func:`verify`), and each rank the entries it reads.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from typing import Any
 import torch
 
 from lit_ddp import compat
-from lit_ddp.run_dir import untrusted
+from lit_ddp.errors import DamagedCheckpointError
+from lit_ddp.run_dir import integrity, untrusted
 from lit_ddp.run_dir.atomic import fsync, umask
 
 META = "meta.pt"
 """Lightning's file of a sharded checkpoint's non-tensor state (``lightning.fabric...._METADATA_FILENAME``)."""
-OWN_FILES = frozenset({".metadata", META})
-"""The files of a sharded checkpoint beside its shards."""
+OWN_FILES = frozenset({".metadata", META, integrity.DIGEST_RECORD})
+"""The files of a sharded checkpoint beside its shards: DCP's metadata, Lightning's ``meta.pt`` and lit-ddp's digest
+record (:mod:`lit_ddp.run_dir.integrity`)."""
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
@@ -78,11 +82,30 @@ def shards_complete(path: str | os.PathLike) -> bool:
         for name, end in compat.dcp_storage_extents(metadata).items():
             if os.path.getsize(os.path.join(path, os.path.basename(name))) < end:
                 return False
-    except untrusted.UntrustedFileError:
+    except (untrusted.UntrustedFileError, DamagedCheckpointError):
         raise
     except (ValueError, OSError, AttributeError, TypeError):
         return False
     return True
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Verifies the whole sharded checkpoint ``path``: its ``.metadata`` against its digest record (one line where it
+    has none), every entry of every shard and its ``meta.pt`` against their CRC-32s
+    (:mod:`lit_ddp.run_dir.integrity`). Each shard is then known to this process as verified: a load reads it without
+    verifying it again.
+
+    Raises:
+        DamagedCheckpointError: anything of it differs from its digest (the file and the tensor or record named).
+        UntrustedFileError: its metadata or ``meta.pt`` is a planted file.
+        ValueError: it is cut short or not a sharded checkpoint.
+        OSError: a file of it cannot be read.
+    """
+    metadata = untrusted.read_dcp_metadata(path)
+    integrity.verify_entries(path, untrusted.shard_entries(metadata.storage_data), whole=True)
+    meta = os.path.join(path, META)
+    with untrusted.open_regular(meta) as f:
+        untrusted.verify(f, meta)
 
 
 def temporary_directory(path: str | os.PathLike) -> str:
@@ -95,14 +118,16 @@ def temporary_directory(path: str | os.PathLike) -> str:
 
 
 def commit(written: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Puts the sharded checkpoint written into ``written`` in place of ``path`` (a file, a directory or nothing)
-    so that readers of ``path`` see the old or the new checkpoint, never a mix; then removes the old one and the
-    temporary directories of writers of ``path`` that were killed. Rank zero, after every rank has written.
+    """Writes the digest record of the sharded checkpoint written into ``written``
+    (:func:`lit_ddp.run_dir.integrity.write_digest_record`) and puts it in place of ``path`` (a file, a directory or
+    nothing) so that readers of ``path`` see the old or the new checkpoint, never a mix; then removes the old one and
+    the temporary directories of writers of ``path`` that were killed. Rank zero, after every rank has written.
 
     Raises:
         OSError: the swap failed; ``path`` is as it was.
     """
     written, target = Path(written).absolute(), Path(path).absolute()
+    integrity.write_digest_record(written)
     fsync(written / META)
     fsync(written)
     if not os.path.lexists(target):

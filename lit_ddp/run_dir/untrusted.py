@@ -8,7 +8,9 @@ command or take more memory than the run's model can use:
   file (not a FIFO or a device, which would block or never end), a ``torch.save`` zip archive whose records are
   stored uncompressed as torch writes them (a compressed record can expand to any size) and whose tensors, read
   from the header alone (:mod:`lit_ddp.run_dir.inert`: no unpickler, nothing built), lie within their storages and
-  add up to no more than :func:`state_bytes_limit`. Every ``lit-ddp`` process also sets torch's
+  add up to no more than :func:`state_bytes_limit`, and whose bytes match the CRC-32s written with them
+  (:func:`verify`: :mod:`lit_ddp.run_dir.integrity`, also for a sharded checkpoint's entries and ``.metadata``).
+  Every ``lit-ddp`` process also sets torch's
   ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` (:func:`force_weights_only`), so a library's own loads in that process
   (Lightning's, torch's distributed checkpoint's ``load_bytes``) are weights-only too, whatever they ask for;
 - a checkpoint's header (:func:`read_archive`): the step, hyperparameters and resume state, read without the
@@ -58,8 +60,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lit_ddp import compat
-from lit_ddp.errors import UsageError
-from lit_ddp.run_dir import inert
+from lit_ddp.errors import DamagedCheckpointError, UsageError
+from lit_ddp.run_dir import inert, integrity
 
 URL_SCHEMES = ("http://", "https://", "ftp://")
 """Checkpoint locations refused: Lightning would fetch them through ``torch.hub`` and unpickle them with
@@ -275,6 +277,7 @@ def read_archive(f: IO[bytes], name: str, header: bool = True) -> Archive:
     Raises:
         UntrustedFileError: a compressed record, a header or tensor that is not what ``torch.save`` writes (a
             refused opcode, ``BUILD`` on a class, a view past its storage's end).
+        DamagedCheckpointError: the header's bytes differ from their CRC-32.
         ValueError: not a zip archive, or cut short (the message says why, without the file's name).
     """
     try:
@@ -301,7 +304,16 @@ def read_archive(f: IO[bytes], name: str, header: bool = True) -> Archive:
         if not header:
             return Archive(None, 0, 0)
         prefix = pkl.filename[: -len("data.pkl")]
-        data, tensors = inert.read(archive.read(pkl))
+        try:  # zipfile checks this record's CRC-32; an archive written without them has none to check
+            pickled = integrity.record_bytes(f, pkl) if integrity.unchecked(infos) else archive.read(pkl)
+        except zipfile.BadZipFile as e:
+            if not str(e).startswith("Bad CRC-32"):
+                raise
+            raise DamagedCheckpointError(
+                f"{name}: its record {pkl.filename} (the header: step, hyperparameters, loop state) does not match "
+                "the CRC-32 torch.save wrote with it: the file changed after it was saved"
+            ) from None
+        data, tensors = inert.read(pickled)
         records = {i.filename: i.file_size for i in infos}
         stored, declared = 0, 0
         seen: set[str] = set()
@@ -353,38 +365,82 @@ def check_archive(f: IO[bytes], name: str) -> Archive:
     return archive
 
 
+def verify(f: IO[bytes], name: str) -> Archive:
+    """:func:`check_archive`, then every record's bytes against the CRC-32 ``torch.save`` wrote with it
+    (:func:`lit_ddp.run_dir.integrity.verify_archive`; once per process while the file stays the same).
+
+    Raises:
+        UntrustedFileError: see :func:`check_archive`.
+        DamagedCheckpointError: a record's bytes differ from its CRC-32 (the file and the tensors named).
+        ValueError: not a readable archive.
+    """
+    with verified(f, name, in_background=False) as archive:
+        return archive
+
+
+@contextlib.contextmanager
+def verified(f: IO[bytes], name: str, in_background: bool = True) -> Iterator[Archive]:
+    """:func:`check_archive`, then the records' CRC-32s checked while the block reads the file (in a background
+    thread: :func:`lit_ddp.run_dir.integrity.verifying`), a difference raised at its end.
+
+    Raises:
+        UntrustedFileError: see :func:`check_archive`.
+        DamagedCheckpointError: a record's bytes differ from its CRC-32 (the file and the tensors named), whatever
+            the block raised.
+        ValueError: not a readable archive.
+    """
+    archive = check_archive(f, name)
+    with integrity.verifying(f, name, archive.header, in_background=in_background):
+        yield archive
+
+
+def verify_path(path: str | os.PathLike) -> None:
+    """:func:`verify` of the local ``torch.save`` file ``path``, for a reader that loads it itself (Lightning's
+    ``ModelParallelStrategy`` memory-maps it).
+
+    Raises:
+        UntrustedFileError: see :func:`check_archive`; or not a regular file.
+        DamagedCheckpointError: its bytes differ from their CRC-32s.
+        ValueError: not a readable archive.
+    """
+    with open_regular(path) as f:
+        verify(f, str(path))
+
+
 def load(source: str | os.PathLike | IO[bytes], map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """A ``torch.save`` file (a local path, an fsspec URL or an open binary file) checked by :func:`check_archive`,
-    then read with ``torch.load(weights_only=True)``; ``mmap``: a local file memory-mapped, its tensors not read
-    until used.
+    """A ``torch.save`` file (a local path, an fsspec URL or an open binary file) checked by :func:`check_archive`
+    and verified against its CRC-32s (:func:`verify`), then read with ``torch.load(weights_only=True)``; ``mmap``: a
+    local file memory-mapped, its tensors not read until used.
 
     Raises:
         UntrustedFileError: ``source`` is a URL, not a regular file, or holds objects other than tensors and plain
             data or more than :func:`check_archive` admits.
+        DamagedCheckpointError: its bytes differ from the CRC-32s written with them (the record and tensors named).
         ValueError: it is not a readable ``torch.save`` archive.
         OSError: it cannot be read.
     """
     name = str(source) if isinstance(source, str | os.PathLike) else str(getattr(source, "name", "checkpoint"))
     try:
         if not isinstance(source, str | os.PathLike):
-            check_archive(source, name)
+            verify(source, name)
             return torch.load(source, map_location=map_location, weights_only=True)
         refuse_url(source, "checkpoint")
         if "://" not in name:
             with open_regular(name) as f:
-                check_archive(f, name)
-                if not mmap:
-                    return torch.load(f, map_location=map_location, weights_only=True)
+                if not mmap:  # the CRC-32s checked while torch reads the file
+                    with verified(f, name):
+                        return torch.load(f, map_location=map_location, weights_only=True)
+                verify(f, name)
             return torch.load(name, map_location=map_location, weights_only=True, mmap=True)
         with fsspec.open(name, "rb") as f:
-            check_archive(f, name)
+            verify(f, name)
             return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise UntrustedFileError(
             f"{name} holds objects other than tensors and plain data, which lit-ddp does not load "
             f"(torch.load(weights_only=True) refused it: {_reason(e)})"
         ) from None
-    except UntrustedFileError:
+    except (UntrustedFileError, DamagedCheckpointError):
         raise
     except ValueError as e:
         raise ValueError(f"{name} is not a readable checkpoint: {e}") from None
@@ -447,7 +503,9 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
         with open_regular(file, "checkpoint's metadata") as f:
             if os.fstat(f.fileno()).st_size > METADATA_BYTES:
                 raise UntrustedFileError(f"{file} is larger than a checkpoint's metadata ({METADATA_BYTES} bytes)")
-            metadata, _ = inert.read(f, _metadata_globals())
+            data = f.read(METADATA_BYTES + 1)
+        integrity.verify_metadata(path, data)
+        metadata, _ = inert.read(io.BytesIO(data), _metadata_globals())
     except inert.RefusedPickle as e:
         raise UntrustedFileError(f"{file} is not a checkpoint's metadata and was not loaded: {e}") from None
     except (inert.NotAPlainPickle, OSError, EOFError) as e:
@@ -510,7 +568,13 @@ def _check_metadata(metadata: Metadata, directory: str, file: str) -> None:
 
 class SafeFileSystemReader(FileSystemReader):
     """torch's ``FileSystemReader`` whose ``read_metadata`` is :func:`read_dcp_metadata` (torch's unpickles the
-    ``.metadata`` file with ``pickle.load``). The shards' tensors torch already reads with ``weights_only=True``."""
+    ``.metadata`` file with ``pickle.load``), and whose ``read_data`` first verifies the entries this rank reads
+    against their CRC-32s (:func:`lit_ddp.run_dir.integrity.verify_entries`). The shards' tensors torch already reads
+    with ``weights_only=True``.
+
+    Raises (from ``read_data``; DCP's ``load`` gathers it from every rank into a ``CheckpointException``):
+        DamagedCheckpointError: an entry's bytes differ from its CRC-32 (the shard and the tensor named).
+    """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(self.path)
@@ -518,6 +582,27 @@ class SafeFileSystemReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        reads = {item.storage_index for item in plan.items}
+        integrity.verify_entries(self.path, shard_entries(self.storage_data, reads))
+        return super().read_data(plan, planner)
+
+
+def shard_entries(storage_data: Any, only: set[Any] | None = None) -> list[integrity.Entry]:
+    """The entries of a sharded checkpoint (its metadata's ``storage_data``, or those of it ``only`` names) as
+    :class:`lit_ddp.run_dir.integrity.Entry`, each named by its tensor's fully qualified name (and the chunk's offset
+    where it is not the tensor's start)."""
+    found = []
+    for index, file, offset, length in compat.dcp_entries(storage_data):
+        if only is not None and index not in only:
+            continue
+        chunk = getattr(index, "offset", None)
+        what = str(getattr(index, "fqn", index))
+        if chunk is not None and any(chunk):
+            what += f" from {tuple(chunk)}"
+        found.append(integrity.Entry(file, offset, length, what))
+    return found
 
 
 class WeightsOnlyBytes:
@@ -568,6 +653,8 @@ def dcp_load(state: dict[str, Any], path: str | os.PathLike, planner: Any = None
     Raises:
         UntrustedFileError: on any rank, a file holds more than the checkpoint's own classes and plain data (DCP
             wraps it in a ``CheckpointException``, which is unwrapped).
+        DamagedCheckpointError: on any rank, an entry it reads differs from its CRC-32 (unwrapped too), or the
+            ``.metadata`` from the digest record.
         CheckpointException: torch's, for any other failure.
     """
     planner = SafeLoadPlanner() if planner is None else planner
@@ -575,8 +662,8 @@ def dcp_load(state: dict[str, Any], path: str | os.PathLike, planner: Any = None
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=planner, **kwargs)
     except CheckpointException as e:
         for error, _ in e.failures.values():
-            if isinstance(error, UntrustedFileError):
-                raise UntrustedFileError(str(error)) from None
+            if isinstance(error, UntrustedFileError | DamagedCheckpointError):
+                raise type(error)(str(error)) from None
         raise
 
 

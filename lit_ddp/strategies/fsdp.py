@@ -215,7 +215,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         parallelism's q, k, v rows), through contiguous rows (as :meth:`save_checkpoint` wrote them), which then go
         back to the strided layout.
 
+        Every file is verified against its digests before anything of it is restored (a single file's CRC-32s;
+        each shard entry this rank reads, and the ``.metadata``'s digest record: :mod:`lit_ddp.run_dir.integrity`).
+
         Raises:
+            DamagedCheckpointError: a file's bytes differ from their digests (the file and tensor named).
             ValueError: a single-file (full-state) checkpoint for a model with strided parameters: Lightning loads
                 it with torch's ``set_model_state_dict(broadcast_from_rank0=True)``, whose
                 ``_state_dict_utils._distribute_tensors`` gives each rank a contiguous block of rows, not its rows
@@ -236,11 +240,13 @@ class FSDP2Strategy(ModelParallelStrategy):
                     "(save_distributed_checkpoint: true, as configs/trainer/tp.yaml writes), or train on without "
                     "tensor parallelism"
                 )
+            untrusted.verify_path(path)  # Lightning's reader memory-maps it unchecked
             with compat.rekey_optimizer_states_by_groups(model, self.optimizers):  # DDP's numbers its parameters
                 return super().load_checkpoint(checkpoint_path, weights_only)
         # Read here rather than by Lightning's, whose DCP reader unpickles the metadata with pickle.load; no more than
         # this model can hold (untrusted.bounded_by).
         with untrusted.bounded_by(model):
+            untrusted.verify_path(path / sharded.META)  # before any shard is read into the model
             for key, restored in self.read_sharded_state(path, copy=False).items():
                 if key == "state_dict":
                     model.load_state_dict(restored, strict=self.lightning_module.strict_loading)  # type: ignore[union-attr]
