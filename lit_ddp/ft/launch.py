@@ -17,7 +17,9 @@ with one model.
   processes (``--standalone``, ``--trainer.devices W``, torchrun's ``--max_restarts 0``: the launcher restarts the
   group, since torchrun reports every failure with status 1 and would start a bad config again too; the launcher
   learns of bad use from ``$LIT_DDP_BAD_USE_FILE``, which a worker exiting for it creates). Its process id is
-  printed at every start.
+  printed at every start. With ``--slurm`` (``slurm/train_torchft.sbatch``, in the batch shell) each group is a
+  one-task srun step named ``group_<i>`` on its node of the allocation, started again on a spare node
+  (``--spare_nodes``) where Slurm has its node down, its output lines prefixed with its name.
 - **Liveness**: each group's rank 0 rewrites a record of its committed step (:mod:`lit_ddp.ft.progress`); a group
   that commits none for ``--stall_timeout_s`` while another commits (frozen, deadlocked) is SIGKILLed, its whole
   process tree, and started again, and heals from a live peer. A group that fails is started again too (at most
