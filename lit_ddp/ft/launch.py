@@ -373,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     else:
                         why = ended_why(group, seen, committed, final, now, args.stall_timeout_s)
+                        if why is None and nodes is None and stalled(group, seen, now, args.stall_timeout_s):
+                            why = stopped_why(proc.pid, seen[group][0], now - seen[group][1])
                     if why is None:
                         continue
                     print(f"{PREFIX} group_{group} {why}: SIGKILLed", flush=True)
@@ -427,6 +429,25 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{PREFIX} every group finished with the same state", flush=True)
     return status
+
+
+def stalled(group: int, seen: dict[int, tuple[int, float]], now: float, stall_s: float) -> bool:
+    return group in seen and now - seen[group][1] > stall_s
+
+
+def stopped_why(pid: int, step: int, stood: float) -> str | None:
+    """Why a group whose step has stood ``stood`` seconds must be ended although no other group commits either: a
+    process of its tree is stopped (SIGSTOP, state ``T`` in ``/proc``). One stopped worker of a group of several
+    keeps the others waiting in their quorum: its rank 0 still heartbeats, so the lighthouse keeps waiting for the
+    group (torchft 0.2.0), and nobody commits. One machine only (``/proc`` of the group's processes)."""
+    for victim in process_tree(pid):
+        try:
+            state = Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("T", "t"):
+            return f"has a stopped process (pid {victim}) and committed no step for {stood:.0f} s (since step {step})"
+    return None
 
 
 def ended_why(
