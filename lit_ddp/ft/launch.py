@@ -17,7 +17,9 @@ with one model.
   processes (``--standalone``, ``--trainer.devices W``, torchrun's ``--max_restarts 0``: the launcher restarts the
   group, since torchrun reports every failure with status 1 and would start a bad config again too; the launcher
   learns of bad use from ``$LIT_DDP_BAD_USE_FILE``, which a worker exiting for it creates). Its process id is
-  printed at every start.
+  printed at every start. With ``--slurm`` (``slurm/train_torchft.sbatch``, in the batch shell) each group is a
+  one-task srun step named ``group_<i>`` on its node of the allocation, started again on a spare node
+  (``--spare_nodes``) where Slurm has its node down, its output lines prefixed with its name.
 - **Liveness**: each group's rank 0 rewrites a record of its committed step (:mod:`lit_ddp.ft.progress`); a group
   that commits none for ``--stall_timeout_s`` while another commits (frozen, deadlocked) is SIGKILLed, its whole
   process tree, and started again, and heals from a live peer. A group that fails is started again too (at most
@@ -389,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     else:
                         why = ended_why(group, seen, committed, final, now, args.stall_timeout_s)
+                        if why is None and nodes is None and stalled(group, seen, now, args.stall_timeout_s):
+                            why = stopped_why(proc.pid, seen[group][0], now - seen[group][1])
                     if why is None:
                         continue
                     print(f"{PREFIX} group_{group} {why}: SIGKILLed", flush=True)
@@ -443,6 +447,25 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{PREFIX} every group finished with the same state", flush=True)
     return status
+
+
+def stalled(group: int, seen: dict[int, tuple[int, float]], now: float, stall_s: float) -> bool:
+    return group in seen and now - seen[group][1] > stall_s
+
+
+def stopped_why(pid: int, step: int, stood: float) -> str | None:
+    """Why a group whose step has stood ``stood`` seconds must be ended although no other group commits either: a
+    process of its tree is stopped (SIGSTOP, state ``T`` in ``/proc``). One stopped worker of a group of several
+    keeps the others waiting in their quorum: its rank 0 still heartbeats, so the lighthouse keeps waiting for the
+    group (torchft 0.2.0), and nobody commits. One machine only (``/proc`` of the group's processes)."""
+    for victim in process_tree(pid):
+        try:
+            state = Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("T", "t"):
+            return f"has a stopped process (pid {victim}) and committed no step for {stood:.0f} s (since step {step})"
+    return None
 
 
 def ended_why(

@@ -101,3 +101,24 @@ def test_the_groups_final_states_are_compared_every_tensor(tmp_path: Path) -> No
         f"group_4 has no final checkpoint ({tmp_path}/group_4/checkpoints/last.ckpt)"
     )
     assert fingerprint.main([f"group_0={tmp_path / 'group_0'}", f"group_2={tmp_path / 'group_2'}"]) == 1
+
+
+def test_a_group_with_a_stopped_process_is_told_apart() -> None:
+    """Where no group commits (a stopped worker of a group of several keeps the others waiting in their quorum), a
+    group whose process tree holds a stopped process is the one to end; a running tree is not."""
+    import signal
+    import subprocess
+
+    from lit_ddp.ft.launch import stopped_why
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert stopped_why(child.pid, 7, 12.0) is None
+        os.kill(child.pid, signal.SIGSTOP)
+        for _ in range(100):  # the state changes asynchronously
+            if (why := stopped_why(child.pid, 7, 12.0)) is not None:
+                break
+        assert why == f"has a stopped process (pid {child.pid}) and committed no step for 12 s (since step 7)"
+    finally:
+        child.kill()
+        child.wait()
