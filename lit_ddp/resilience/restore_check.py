@@ -7,9 +7,9 @@ run stops with one line naming the first entry that differs, instead of training
 Compared on every rank: the global step, each LR scheduler's state, this rank's RNG streams as ExactResume saved
 them (torch, CUDA, numpy, Python; on another world size not, where rank r restores rank r mod n's by design), and,
 where the checkpoint holds them as plain tensors (DDP, one device, on any world size: the same global state on
-every rank) every tensor of the module's ``state_dict()`` and each optimizer's state and param groups; under FSDP2
-and tensor parallelism from a sharded checkpoint, which torch's distributed checkpoint loads in place, this rank's
-shard of each of them, against the checkpoint read a second time into copies (``read_sharded_state``); on a resume
+every rank) every tensor of the module's ``state_dict()`` and each optimizer's state and param groups; under FSDP2,
+tensor and pipeline parallelism from a sharded checkpoint, which torch's distributed checkpoint loads in place, this
+rank's shard (or pipeline stages) of each of them, against the checkpoint read a second time into copies (``read_sharded_state``); on a resume
 mid-epoch, each train loader's :class:`~lit_ddp.data.samplers.GlobalOrderSampler` position (epoch and global
 sample), the dataset indices of the global batch that follows it and, for a loader with workers, the seed their
 RNGs start from, which each save records: a lost position, another seed or other data shows there. Tensors bit for
@@ -171,8 +171,8 @@ def verify(
     positions: list[dict[str, Any] | None] | None,
 ) -> None:
     """The restore check of a resume, on every rank: ``promised`` (:func:`promised`, at load) against the live
-    state (:func:`restored`, with ``rng`` this rank's RNG states now); under FSDP2 and tensor parallelism this rank's
-    shards against the checkpoint read again (:func:`sharded_states`); the loaders' ``positions`` as the save
+    state (:func:`restored`, with ``rng`` this rank's RNG states now); from a sharded checkpoint (FSDP2, tensor and
+    pipeline parallelism) this rank's shards against the checkpoint read again (:func:`sharded_states`); the loaders' ``positions`` as the save
     recorded them, where the resume continues an epoch. Collective.
 
     Raises:
@@ -180,7 +180,7 @@ def verify(
     """
     plain = plain_tensors(pl_module)
     live = restored(trainer, pl_module, rng, tensors=plain)
-    if not plain and (shards := sharded_states(trainer)) is not None:
+    if (shards := sharded_states(trainer)) is not None:  # a pipeline's stages may hold plain tensors
         promised.update(shards[0])
         live.update(shards[1])
     if positions:

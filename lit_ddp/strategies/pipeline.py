@@ -406,11 +406,36 @@ class PipelineStrategy(FSDP2Strategy):
                     sends += _send(out, self.stage_rank(stage.index + 1), group)
         for work in sends:
             work.wait()
-        for stage in self.stages.stages:  # unsharded by the forwards (reshard_after_forward=False), none after
-            if isinstance(stage, FSDPModule):
-                stage.reshard()
         mean = total / (targets != -1).sum() if self.stages.stages[-1].is_last else None
         return self.from_last_stage(mean)
+
+    def on_validation_start(self) -> None:
+        """FSDP2 gathers each stage's parameters once for the whole evaluation (:meth:`gather_stages`)."""
+        super().on_validation_start()
+        self.gather_stages(True)
+
+    def on_validation_end(self) -> None:
+        self.gather_stages(False)
+        super().on_validation_end()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self.gather_stages(True)
+
+    def on_test_end(self) -> None:
+        self.gather_stages(False)
+        super().on_test_end()
+
+    def gather_stages(self, whole: bool) -> None:
+        """Every FSDP2 unit of the stages all-gathered (``whole``) or back to its shards. Evaluation runs between
+        the two, so that its forwards are no collective over the data-parallel ranks, whose evaluation sets may
+        differ by a batch (each window once: ``UnrepeatedDistributedSampler``)."""
+        for stage in self.stages.stages if self.stages is not None else ():
+            for module in stage.modules():
+                if isinstance(module, FSDPModule) and whole:
+                    module.unshard()
+                elif isinstance(module, FSDPModule):
+                    module.reshard()
 
     def stage_rank(self, index: int) -> int:
         """The global rank, in this rank's pipeline, of the one that holds stage ``index``."""
