@@ -48,7 +48,13 @@ from lit_ddp.launch.environment import (
     task_gpu_accelerator,
 )
 from lit_ddp.launch.model_size import check_ckpt_builds_model
-from lit_ddp.launch.preflight import check_ckpt_matches_config, check_ckpt_path, check_config_files, run_preflight
+from lit_ddp.launch.preflight import (
+    check_ckpt_matches_config,
+    check_ckpt_path,
+    check_config_files,
+    check_pipeline,
+    run_preflight,
+)
 from lit_ddp.launch.reporting import mark_running, report, silence_library_noise
 from lit_ddp.launch.text_check import check_text_data
 from lit_ddp.launch.variables import check_launch_variables
@@ -248,6 +254,8 @@ class LitDDPCLI(LightningCLI):
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
         run_preflight(config.get("trainer"))
+        # A PipelineStrategy its model, data and processes cannot run.
+        check_pipeline(config, training=self.subcommand == "fit")
         check_ckpt_builds_model(config.get("ckpt_path"), config.get("model"))  # LightningCLI read its hyperparameters
         check_text_data(config.get("data"))
         if change := follow_slurm_port():  # a port per job step, not Lightning's one per job

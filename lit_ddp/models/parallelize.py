@@ -175,6 +175,75 @@ def _local_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch
     return output.to_local()
 
 
+SCHEDULE_NAMES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+"""torch.distributed.pipelining's schedules by their names (``Schedule<name>``), which the pipeline's rules below
+follow (torch's own checks run only once every process has started)."""
+SINGLE_STAGE = ("GPipe", "1F1B")
+"""One stage per rank."""
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+"""Two stages per rank in a V: rank r holds stages r and 2p - 1 - r (the first and the last on rank 0); the others
+hold theirs in a loop (r, r + p, ...)."""
+
+
+def stages_per_rank_for(schedule: str, stages_per_rank: int | None) -> int:
+    """The stages each rank holds under ``schedule``: 1 for GPipe and 1F1B, 2 for the V schedules, else
+    ``stages_per_rank`` (2 when None).
+
+    Raises:
+        ValueError: an unknown schedule, or a number of stages per rank the schedule cannot run.
+    """
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
+    need = 1 if schedule in SINGLE_STAGE else 2 if schedule in V_SHAPED else None
+    if stages_per_rank is None:
+        return need or 2
+    if (need is not None and stages_per_rank != need) or stages_per_rank < 1:
+        right = f"exactly {need}" if need is not None else "1 or more"
+        raise ValueError(f"stages_per_rank={stages_per_rank}: the {schedule} schedule runs {right} stage(s) per rank")
+    return stages_per_rank
+
+
+def check_schedule(schedule: str, pipeline_parallel_size: int, n_microbatches: int, stages_per_rank: int) -> None:
+    """Refuses the microbatch counts torch's schedule would refuse once every process has started (1F1B: at least one
+    per stage; DualPipeV: one per stage of all; the interleaved ones: a multiple of their rounds).
+
+    Raises:
+        ValueError: ``n_microbatches`` < 1, or one the schedule cannot run, naming what it can.
+    """
+    p, m = pipeline_parallel_size, n_microbatches
+    if m < 1:
+        raise ValueError(f"n_microbatches={m} must be >= 1")
+    n_stages = p * stages_per_rank
+    if schedule == "1F1B" and m < p:
+        raise ValueError(f"n_microbatches={m}: 1F1B needs at least one per stage (>= {p}); GPipe runs fewer")
+    if schedule == "DualPipeV" and m < n_stages:
+        raise ValueError(f"n_microbatches={m}: DualPipeV needs at least one per stage (>= {n_stages})")
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, m // p)  # torch's number of rounds, which must divide the microbatches
+        if m % rounds:
+            raise ValueError(
+                f"n_microbatches={m}: {schedule} over {p} ranks runs them in {rounds} rounds (n_microbatches // {p}), "
+                f"which must divide them: give a multiple of {p}, or fewer than {2 * p}"
+            )
+
+
+def stage_indices(schedule: str, pipeline_parallel_size: int, pp_rank: int, stages_per_rank: int) -> list[int]:
+    """The stages rank ``pp_rank`` of the pipeline holds: ``r, r + p, ...`` (a loop), or ``r`` and ``2p - 1 - r``
+    (a V)."""
+    p = pipeline_parallel_size
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * p - 1 - pp_rank]
+    return [pp_rank + i * p for i in range(stages_per_rank)]
+
+
 def stage_blocks(n_layer: int, n_stages: int) -> list[range]:
     """The blocks of each of ``n_stages`` pipeline stages: consecutive, as even as they go (the first
     ``n_layer % n_stages`` stages one more), every stage at least one.

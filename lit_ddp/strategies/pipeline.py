@@ -61,7 +61,17 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from lit_ddp.models.gpt import GPT
-from lit_ddp.models.parallelize import GPTStages, clip_grad_norm_, shard, split_stages
+from lit_ddp.models.parallelize import (
+    SINGLE_STAGE,
+    V_SHAPED,
+    GPTStages,
+    check_schedule,
+    clip_grad_norm_,
+    shard,
+    split_stages,
+    stage_indices,
+    stages_per_rank_for,
+)
 from lit_ddp.run_dir import sharded
 from lit_ddp.strategies.fsdp import FSDP2Strategy, is_strided
 
@@ -74,64 +84,10 @@ SCHEDULES: dict[str, type] = {
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
     "DualPipeV": ScheduleDualPipeV,
 }
-"""The schedules ``schedule`` names, torch's classes. GPipe and 1F1B run one stage per rank; the others several."""
-SINGLE_STAGE = ("GPipe", "1F1B")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-"""Two stages per rank in a V: rank r holds stages r and 2p - 1 - r (the first and the last on rank 0)."""
+"""The schedules ``schedule`` names (:data:`lit_ddp.models.parallelize.SCHEDULE_NAMES`), torch's classes."""
 PIPELINE = "pipeline_parallel"
 """The pipeline dimension of the device_mesh (outermost), beside Lightning's ``data_parallel`` and
 ``tensor_parallel``."""
-
-
-def stages_per_rank_for(schedule: str, stages_per_rank: int | None) -> int:
-    """The stages each rank holds under ``schedule``: 1 for GPipe and 1F1B, 2 for the V schedules, else
-    ``stages_per_rank`` (2 when None).
-
-    Raises:
-        ValueError: an unknown schedule, or a number of stages per rank the schedule cannot run.
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
-    need = 1 if schedule in SINGLE_STAGE else 2 if schedule in V_SHAPED else None
-    if stages_per_rank is None:
-        return need or 2
-    if (need is not None and stages_per_rank != need) or stages_per_rank < 1:
-        right = f"exactly {need}" if need is not None else "1 or more"
-        raise ValueError(f"stages_per_rank={stages_per_rank}: the {schedule} schedule runs {right} stage(s) per rank")
-    return stages_per_rank
-
-
-def check_schedule(schedule: str, pipeline_parallel_size: int, n_microbatches: int, stages_per_rank: int) -> None:
-    """Refuses the microbatch counts torch's schedule would refuse once every process has started (1F1B: at least one
-    per stage; DualPipeV: one per stage of all; the interleaved ones: a multiple of their rounds).
-
-    Raises:
-        ValueError: ``n_microbatches`` < 1, or one the schedule cannot run, naming what it can.
-    """
-    p, m = pipeline_parallel_size, n_microbatches
-    if m < 1:
-        raise ValueError(f"n_microbatches={m} must be >= 1")
-    n_stages = p * stages_per_rank
-    if schedule == "1F1B" and m < p:
-        raise ValueError(f"n_microbatches={m}: 1F1B needs at least one per stage (>= {p}); GPipe runs fewer")
-    if schedule == "DualPipeV" and m < n_stages:
-        raise ValueError(f"n_microbatches={m}: DualPipeV needs at least one per stage (>= {n_stages})")
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        rounds = max(1, m // p)  # torch's number of rounds, which must divide the microbatches
-        if m % rounds:
-            raise ValueError(
-                f"n_microbatches={m}: {schedule} over {p} ranks runs them in {rounds} rounds (n_microbatches // {p}), "
-                f"which must divide them: give a multiple of {p}, or fewer than {2 * p}"
-            )
-
-
-def stage_indices(schedule: str, pipeline_parallel_size: int, pp_rank: int, stages_per_rank: int) -> list[int]:
-    """The stages rank ``pp_rank`` of the pipeline holds: ``r, r + p, ...`` (a loop), or ``r`` and ``2p - 1 - r``
-    (a V)."""
-    p = pipeline_parallel_size
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * p - 1 - pp_rank]
-    return [pp_rank + i * p for i in range(stages_per_rank)]
 
 
 class PipelineStrategy(FSDP2Strategy):
@@ -376,14 +332,13 @@ class PipelineStrategy(FSDP2Strategy):
     def evaluate(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy over ``targets``' tokens (id -1 ignored), from a forward-only pass of its own over
         the stages (torch's V schedules run their backward actions in ``eval()`` too, torch 2.13): the batch cut
-        into ``n_microbatches`` pieces (some empty when it has fewer rows), each stage's pieces in turn, sent on as
+        into ``n_microbatches`` pieces (or one per row, when it has fewer), each stage's pieces in turn, sent on as
         they are done, so that the ranks overlap as in GPipe's forward. Any batch size runs, nothing is padded or
         dropped: the receiver learns each piece's shape from a header sent before it."""
         assert self.stages is not None
         group = self.device_mesh[PIPELINE].get_group()
-        pieces = list(
-            zip(idx.tensor_split(self.n_microbatches), targets.tensor_split(self.n_microbatches), strict=True)
-        )
+        n = min(self.n_microbatches, idx.size(0))  # every rank of the pipeline has the batch: the same pieces
+        pieces = list(zip(idx.tensor_split(n), targets.tensor_split(n), strict=True))
         here = {stage.index for stage in self.stages.stages}
         kept: dict[tuple[int, int], torch.Tensor] = {}  # (stage, piece) -> output, for this rank's next stage
         sends: list[Any] = []
@@ -604,14 +559,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def _send(tensor: torch.Tensor, dst: int, group: Any) -> list[Any]:
     """Sends ``tensor`` (an evaluation's activations, up to 3-D) to global rank ``dst``: a header ``[ndim, *shape,
-    dtype]`` first, then the tensor unless it is empty; returns the sends to wait on."""
+    dtype]`` first, then the tensor; returns the sends to wait on."""
     tensor = tensor.detach().contiguous()
     shape = list(tensor.shape) + [0] * (3 - tensor.ndim)
     header = torch.tensor([tensor.ndim, *shape, DTYPES.index(tensor.dtype)], dtype=torch.int64, device=tensor.device)
-    works = [dist.isend(header, dst, group=group)]
-    if tensor.numel():
-        works.append(dist.isend(tensor, dst, group=group))
-    return works
+    return [dist.isend(header, dst, group=group), dist.isend(tensor, dst, group=group)]
 
 
 def _receive(src: int, group: Any, device: torch.device) -> torch.Tensor:
@@ -620,6 +572,5 @@ def _receive(src: int, group: Any, device: torch.device) -> torch.Tensor:
     dist.recv(header, src, group=group)
     ndim, *shape, dtype = header.tolist()
     tensor = torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=device)
-    if tensor.numel():
-        dist.recv(tensor, src, group=group)
+    dist.recv(tensor, src, group=group)
     return tensor

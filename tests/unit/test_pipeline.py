@@ -8,14 +8,9 @@ import re
 
 import pytest
 
+from lit_ddp.models.parallelize import SCHEDULE_NAMES, check_schedule, stage_indices, stages_per_rank_for
 from lit_ddp.strategies import PipelineStrategy
-from lit_ddp.strategies.pipeline import (
-    SCHEDULES,
-    _rename,
-    check_schedule,
-    stage_indices,
-    stages_per_rank_for,
-)
+from lit_ddp.strategies.pipeline import SCHEDULES, _rename
 
 
 @pytest.mark.parametrize(
@@ -39,7 +34,7 @@ def test_a_rank_holds_a_loop_or_a_v_of_stages(schedule: str, pp: int, pp_rank: i
 @pytest.mark.parametrize(
     ("kwargs", "says"),
     [
-        ({"schedule": "Zigzag"}, f"schedule='Zigzag' is not one of {', '.join(SCHEDULES)}"),
+        ({"schedule": "Zigzag"}, f"schedule='Zigzag' is not one of {', '.join(SCHEDULE_NAMES)}"),
         ({"schedule": "1F1B", "stages_per_rank": 2}, "stages_per_rank=2: the 1F1B schedule runs exactly 1 stage(s)"),
         ({"schedule": "ZBVZeroBubble", "stages_per_rank": 3}, "the ZBVZeroBubble schedule runs exactly 2 stage(s)"),
         ({"schedule": "Interleaved1F1B", "stages_per_rank": 0}, "stages_per_rank=0: the Interleaved1F1B schedule runs"),
@@ -66,6 +61,11 @@ def test_a_bad_argument_is_named_in_one_line(kwargs: dict, says: str) -> None:
 )
 def test_microbatch_counts_the_schedules_run(schedule: str, pp: int, m: int) -> None:
     check_schedule(schedule, pp, m, stages_per_rank_for(schedule, None))
+
+
+def test_every_schedule_name_is_torch_s() -> None:
+    assert list(SCHEDULES) == list(SCHEDULE_NAMES)
+    assert all(cls.__name__ == f"Schedule{name}" for name, cls in SCHEDULES.items())
 
 
 def test_the_last_stage_s_copy_is_keyed_as_the_first_stage_s() -> None:
