@@ -321,7 +321,10 @@ class GPTStages(nn.Module):
     holds as ``transformer.h.<i>``, ``lm_head``..., so that its ``state_dict``, its ``named_parameters`` and the
     optimizer groups built from it (:func:`lit_ddp.recipe.adamw_param_groups`) read as the GPT's, restricted to
     these stages. The stages themselves are :attr:`stages` (not submodules: the parameters are registered once,
-    here). A rank holding both the first and the last stage (a V schedule's) holds both copies of the tied weight.
+    here). A rank holding one copy of the tied weight holds it as the GPT does, under both names (the other module
+    a stand-in that never computes): as ``transformer.wte.weight`` first (the name of the GPT's one parameter) and
+    as a Linear weight (weight decay). A rank holding both the first and the last stage (a V schedule's) holds both
+    copies, one under each name. Build it after FSDP2 has sharded the stages, whose parameters it registers.
 
     Called as the GPT is, ``(idx (B, T), targets (B, T) | None) -> (logits | None, loss | None)``, it hands both to
     :attr:`pipeline`, the callable that runs the stages in step with the other ranks' (a pipeline schedule, which
@@ -342,11 +345,15 @@ class GPTStages(nn.Module):
                 else:
                     modules[name] = module
         modules["h"] = nn.ModuleDict(dict(sorted(blocks.items(), key=lambda kv: int(kv[0]))))
+        first, last = self.stages[0], self.stages[-1]
+        if last.is_last and not first.is_first:  # the head's copy of the tied weight, under the embedding's name too
+            modules["wte"] = _embedding_of(last.lm_head.weight)
         order = ("wte", "wpe", "drop", "h", "ln_f")  # the GPT's, so that named_parameters come in its order
         self.transformer = nn.ModuleDict({k: modules[k] for k in order if k in modules})
-        last = self.stages[-1]
         if last.is_last:
             self.lm_head = last.lm_head
+        elif first.is_first:  # the embedding's copy, under the head's name too (a Linear weight: it decays)
+            self.lm_head = _linear_of(cast(nn.Embedding, modules["wte"]).weight)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -373,3 +380,17 @@ class GPTStages(nn.Module):
             counted.pop(id(self.transformer["wpe"].weight))
         n = sum(p.numel() for p in counted.values())
         return 6 * n + 12 * len(cast(nn.ModuleDict, self.transformer["h"])) * self.config.n_embd * T
+
+
+def _embedding_of(weight: torch.Tensor) -> nn.Embedding:
+    """An Embedding module holding ``weight`` (``(V, C)``), built on the meta device (nothing allocated)."""
+    module = nn.Embedding(weight.shape[0], weight.shape[1], device="meta")
+    module.weight = weight
+    return module
+
+
+def _linear_of(weight: torch.Tensor) -> nn.Linear:
+    """A Linear module without bias holding ``weight`` (``(V, C)``: ``C -> V``), built on the meta device."""
+    module = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    module.weight = weight
+    return module

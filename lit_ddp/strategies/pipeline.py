@@ -263,23 +263,18 @@ class PipelineStrategy(FSDP2Strategy):
             self.tied_copies_in_one_group(optimizer)
 
     def tied_copies_in_one_group(self, optimizer: torch.optim.Optimizer) -> None:
-        """Moves the first stage's copy of the tied weight into the parameter group that holds the last stage's
-        (the head's, a Linear weight's: weight decay), as the unsplit GPT's one parameter is; the group's index
-        comes from the rank holding the last stage (a collective over the two ranks, before any step)."""
-        if self.tied_first is None and self.tied_last is None:
+        """On a rank holding both copies of the tied weight (a V schedule's first), moves the first stage's into the
+        parameter group of the last stage's (the head's, a Linear weight's: weight decay), where the unsplit GPT's
+        one parameter is. (A rank holding one copy holds it under the head's name too: its group is right.)"""
+        first, last = self.tied_first, self.tied_last
+        if first is None or last is None:
             return
         groups = optimizer.param_groups
         where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-        last = self.tied_last
-        index = torch.tensor([where[id(last)] if last is not None else -1], dtype=torch.int64)
-        if self.tie_group is not None:
-            index = index.to(self.root_device)
-            dist.all_reduce(index, op=dist.ReduceOp.MAX, group=self.tie_group)
-        target = int(index.item())
-        for p in (self.tied_first, self.tied_last):
-            if p is not None and where[id(p)] != target:
-                groups[where[id(p)]]["params"] = [q for q in groups[where[id(p)]]["params"] if q is not p]
-                groups[target]["params"].append(p)
+        source, target = where[id(first)], where[id(last)]
+        if source != target:
+            groups[source]["params"] = [q for q in groups[source]["params"] if q is not first]
+            groups[target]["params"].append(first)
 
     def microbatch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one microbatch, what the schedule differentiates: the mean cross-entropy as
@@ -466,11 +461,11 @@ class PipelineStrategy(FSDP2Strategy):
         return out
 
     def tied_names(self) -> tuple[str | None, str]:
-        """The checkpoint names of the tied weight's last-stage copy (None: not held apart here) and of the first
-        stage's, as the LightningModule names them."""
+        """The checkpoint names of the tied weight's last-stage copy (None: not held apart from the first stage's
+        on this rank) and of the first stage's, as the LightningModule names them."""
         prefix = "model."
         embedding = prefix + "transformer.wte.weight"
-        if self.n_stages == 1 or self.stages is None or not self.stages.stages[-1].is_last:
+        if self.tied_first is None or self.tied_last is None:  # one copy here (or none): named as the GPT's
             return None, embedding
         return prefix + "lm_head.weight", embedding
 

@@ -181,3 +181,22 @@ def test_clip_grad_norm_leaves_a_copy_out_of_the_norm_and_clips_it_too() -> None
     torch.testing.assert_close(norm, torch.tensor(5.0))
     torch.testing.assert_close(copy_of_a.grad, a.grad)
     torch.testing.assert_close(a.grad.norm(), torch.tensor(3.0 / (5.0 + 1e-6)))
+
+
+def test_a_rank_with_one_end_of_the_tie_holds_it_as_the_gpt_does() -> None:
+    """The rank of the first of 2 stages and the rank of the last each hold one copy of the tied weight, under both
+    of the GPT's names and named ``transformer.wte.weight`` (the optimizer state's key); the recipe's groups decay
+    it and come out as the GPT's (Muon's too: AdamW's decay group is not left out on the first stage)."""
+    from lit_ddp.recipe import adamw_param_groups, build_optimizer
+
+    plain = tiny_gpt()
+    for indices in ([0], [1]):
+        mine = GPTStages(plain.config, split_stages(copy.deepcopy(plain), 2, indices))
+        assert {"transformer.wte.weight", "lm_head.weight"} <= set(mine.state_dict())
+        assert mine.transformer["wte"].weight is mine.lm_head.weight
+        names = {id(p): n for n, p in mine.named_parameters()}
+        assert names[id(mine.lm_head.weight)] == "transformer.wte.weight"
+        decay, _ = adamw_param_groups(mine, 0.1)
+        assert any(p is mine.lm_head.weight for p in decay["params"])
+        groups = [g["name"] for g in build_optimizer(mine, "muon").param_groups]
+        assert groups == ["muon", "adamw_decay", "adamw_no_decay"], indices
