@@ -24,8 +24,11 @@ How a step runs, and why each piece is where it is:
 - Checkpoints: torch's distributed checkpoint, keyed by the unsplit GPT's names, the optimizer state flattened
   (``flatten_optimizer_state_dict``: Lightning's nested layout numbers each stage's parameter groups alike, and the
   stages' entries collide), written and read as :class:`~lit_ddp.strategies.FSDP2Strategy` writes and reads them.
-- Evaluation: every batch padded (with ignored targets) or cut to one shape, since a stage's buffers are sized at
-  its first batch; the loss counts the real tokens only.
+- Evaluation: a forward-only pass of its own over the stages (torch's schedules size a stage's buffers at its first
+  batch, and their V schedules run backward actions in ``eval()``), so batches of any size run, neither padded nor
+  dropped; FSDP2 gathers each stage's parameters once for the whole evaluation.
+- Text samples: every stage's parameters gathered on rank zero, which samples from a plain GPT
+  (:meth:`PipelineStrategy.full_model_state`).
 """
 
 from __future__ import annotations
