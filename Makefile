@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIGS ?= $(shell $(BIN)/python scripts/main_job.py)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast lint format bench bench-startup bench-speed bench-recovery bench-fsdp bench-gpu bench-launches bench-syncs bench-integrity clean \
+.PHONY: venv train test test-fast lint format bench bench-startup bench-speed bench-recovery bench-fsdp bench-pipeline bench-gpu bench-launches bench-syncs bench-integrity clean \
 	step1 step2 step3 step4 step5 notebooks
 
 $(BIN)/.installed: pyproject.toml
@@ -122,6 +122,11 @@ bench-integrity: venv
 # FSDP2 against DDP: the bytes each rank holds after a step (tutorial-size GPT, 1 and 2 processes; about a minute).
 bench-fsdp: venv
 	$(BIN)/python -m bench.fsdp $(BENCH_ARGS)
+
+# Pipeline parallelism: steps/s and peak memory per rank of 1 and 2 stages, each schedule, 1-8 microbatches, in turns
+# (docs/tutorial.md, "Pipeline parallelism"; about 15 minutes here).
+bench-pipeline: venv
+	$(BIN)/python -m bench.pipeline $(BENCH_ARGS)
 
 # The GPU check (GPU machines; bench/gpu_check.py) in two halves of at most 7 minutes each, every part alone and
 # time-boxed, one table each (also under $OUT, else runs/bench_gpu). bench-gpu-speed: the GPU main job against

@@ -258,7 +258,9 @@ class LitDDPCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.get("trainer") is not None and (change := follow_torchrun(config.trainer)):
             rank_zero_info(change)  # torchrun's --nproc_per_node / --nnodes decide the layout
-        run_checks("built", config=config)  # LightningCLI has read --ckpt_path's hyperparameters into the model's
+        run_checks(
+            "built", config=config, training=self.subcommand == "fit"
+        )  # LightningCLI has read --ckpt_path's hyperparameters into the model's
         if change := follow_slurm_port():  # a port per job step, not Lightning's one per job
             rank_zero_info(change)
         if config.get("trainer") is not None:  # where a refused write is reported in one line (__init__)

@@ -388,3 +388,31 @@ class FlipBit(Callback):
                 f"FlipBit: rank {self.rank} flipped a bit of parameter {self.parameter} at step {self.step}", flush=True
             )
             self.step = -1  # once
+
+
+class RecordBackwardHooks(Callback):
+    """Writes ``<out_dir>/rank<R>.pt`` at the end of training: for each call of ``on_before_backward``,
+    ``on_after_backward`` and ``on_before_optimizer_step`` (in order), the hook's name and how many of this rank's
+    parameters had a gradient then, of how many; the loss ``on_before_backward`` was given."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.calls: list[tuple[str, int, int, float | None]] = []
+
+    def _record(self, name: str, pl_module: LightningModule, loss: torch.Tensor | None = None) -> None:
+        params = list(pl_module.parameters())
+        with_grad = sum(p.grad is not None for p in params)
+        self.calls.append((name, with_grad, len(params), None if loss is None else float(loss)))
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._record("on_before_backward", pl_module, loss)
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._record("on_after_backward", pl_module)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: object) -> None:
+        self._record("on_before_optimizer_step", pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.save(self.calls, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))

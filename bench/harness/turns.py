@@ -1,4 +1,4 @@
-"""Two commands timed side by side on a shared machine: both alive at once, running in turns.
+"""Commands timed side by side on a shared machine: all alive at once, running in turns (two, or several).
 
 This VM's speed drifts by up to 2x within minutes, so two runs taken one after the other differ by +-20 %. Here each
 command runs in its own process group and only one runs at a time: the other is stopped (``SIGSTOP`` / ``SIGCONT``),
@@ -18,6 +18,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +46,28 @@ def run_until_started(proc: subprocess.Popen, clock: Path, timeout: float) -> No
         time.sleep(0.05)
 
 
-def interleave(procs: dict[str, subprocess.Popen], slice_s: float, timeout: float) -> list[tuple[str, float, float]]:
+def interleave(
+    procs: dict[str, subprocess.Popen],
+    slice_s: float,
+    timeout: float,
+    rounds: int | None = None,
+    before_kill: Callable[[dict[str, subprocess.Popen]], None] | None = None,
+) -> list[tuple[str, float, float]]:
     """Lets the sides run one at a time, ``slice_s`` seconds each, until one exits, then the others to their end
-    (TimeoutError past ``timeout`` s); the turns ``(side, start, stop)`` (``time.time()``) while both were alive."""
+    (TimeoutError past ``timeout`` s); with ``rounds``, until each has had that many turns, then ``before_kill(procs)``
+    (every side stopped, still alive) and every side SIGKILLed. The turns ``(side, start, stop)``
+    (``time.time()``) while all were alive."""
     order, deadline, slices = list(procs), time.monotonic() + timeout, []
     for proc in procs.values():
         signal_group(proc, signal.SIGSTOP)
     turn = 0
     while all(p.poll() is None for p in procs.values()):
+        if rounds is not None and turn >= rounds * len(order):
+            if before_kill is not None:
+                before_kill(procs)
+            for proc in procs.values():
+                signal_group(proc, signal.SIGKILL)
+            break
         name = order[turn % len(order)]
         signal_group(procs[name], signal.SIGCONT)
         start = time.time()
@@ -65,7 +80,10 @@ def interleave(procs: dict[str, subprocess.Popen], slice_s: float, timeout: floa
         signal_group(procs[name], signal.SIGSTOP)
         turn += 1
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the two sides ran longer than {timeout:.0f} s")
+            raise TimeoutError(f"the sides ran longer than {timeout:.0f} s")
+    if rounds is not None:  # a side that ended before its rounds failed: the others would run on to no end
+        for proc in procs.values():
+            signal_group(proc, signal.SIGKILL)
     for proc in procs.values():
         signal_group(proc, signal.SIGCONT)
     for proc in procs.values():
@@ -90,17 +108,23 @@ def bootstrap_median_interval(values: list[float], resamples: int = 2000, seed: 
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def run_in_turns(
-    commands: dict[str, list[str]], work: Path, slice_s: float, warmup: int, timeout: float
-) -> dict[str, Any]:
-    """Runs the two ``commands`` in turns, each writing its step clock at ``<work>/<side>.clock``: :func:`summarize`'s
-    figures, and ``job``: each side's clock ``job`` line. RuntimeError: a side failed (its log's tail); TimeoutError."""
+def run_sides(
+    commands: dict[str, list[str]],
+    work: Path,
+    slice_s: float,
+    timeout: float,
+    rounds: int | None = None,
+    before_kill: Callable[[dict[str, subprocess.Popen]], None] | None = None,
+) -> tuple[dict[str, Any], list[tuple[str, float, float]]]:
+    """Starts each of ``commands`` alone until its step clock (``<work>/<side>.clock``) shows a step, then runs them
+    in turns (:func:`interleave`: to their end, or ``rounds`` turns each, ``before_kill`` and a kill). Returns each
+    side's clock events and the turns. RuntimeError: a side failed (its log's tail); TimeoutError."""
     work.mkdir(parents=True, exist_ok=True)
     logs = {side: work / f"{side}.log" for side in commands}
     clocks = {side: work / f"{side}.clock" for side in commands}
     procs: dict[str, subprocess.Popen] = {}
     try:
-        for side, cmd in commands.items():  # start-up alone: the turns begin with both sides past their first step
+        for side, cmd in commands.items():  # start-up alone: the turns begin with every side past its first step
             with logs[side].open("w") as log:  # its own session: SIGSTOP reaches every rank of that side
                 procs[side] = subprocess.Popen(cmd, cwd=REPO, env=bench_env(), stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True)  # fmt: skip
@@ -109,16 +133,24 @@ def run_in_turns(
             except (RuntimeError, TimeoutError) as err:
                 raise RuntimeError(f"{side}: {err}:\n{logs[side].read_text()[-3000:]}") from err
             signal_group(procs[side], signal.SIGSTOP)
-        slices = interleave(procs, slice_s, timeout=timeout)
+        slices = interleave(procs, slice_s, timeout=timeout, rounds=rounds, before_kill=before_kill)
     except BaseException:
         for proc in procs.values():
             signal_group(proc, signal.SIGKILL)
             signal_group(proc, signal.SIGCONT)
         raise
-    for side, proc in procs.items():
-        if proc.returncode != 0:
+    for side, proc in procs.items():  # with rounds, each side was killed (-9) when they were done
+        if proc.returncode != (0 if rounds is None else -signal.SIGKILL):
             raise RuntimeError(f"{side} run failed (exit {proc.returncode}):\n{logs[side].read_text()[-3000:]}")
-    events = {side: read_clock(clocks[side]) for side in commands}
+    return {side: read_clock(clocks[side]) for side in commands}, slices
+
+
+def run_in_turns(
+    commands: dict[str, list[str]], work: Path, slice_s: float, warmup: int, timeout: float
+) -> dict[str, Any]:
+    """Runs the two ``commands`` in turns, each writing its step clock at ``<work>/<side>.clock``: :func:`summarize`'s
+    figures, and ``job``: each side's clock ``job`` line. RuntimeError: a side failed (its log's tail); TimeoutError."""
+    events, slices = run_sides(commands, work, slice_s, timeout)
     first, second = commands
     counted = {
         side: steps_in_slices(events[side]["span"], [(a, b) for name, a, b in slices if name == side], warmup)

@@ -3,13 +3,16 @@ and at the end of training, the one ``lit-ddp fit`` prints (:class:`FitEndSample
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lit_ddp.generate import check_sampling, sample
-from lit_ddp.models.gpt import GPT
+from lit_ddp.models.gpt import GPT, GPTConfig
 from lit_ddp.strategies import forward_is_collective
 from lit_ddp.tasks.mingpt import GPTModule
 
@@ -36,23 +39,27 @@ def sample_where_trained(
     collective = forward_is_collective(module)
     if not (trainer.is_global_zero or collective):
         return None
-    model = _full_copy(module.model, trainer.strategy.root_device, trainer.is_global_zero) if collective else None
+    model = _full_copy(module.model, trainer, trainer.strategy.root_device) if collective else None
     if not trainer.is_global_zero:
         return None
     precision = trainer.precision_plugin.forward_context()
     return sample(module, prompt, max_new_tokens, temperature, top_k, seed, model=model, precision=precision)
 
 
-def _full_copy(model: GPT, device: torch.device, is_global_zero: bool) -> GPT | None:
+def _full_copy(model: nn.Module, trainer: Trainer, device: torch.device) -> GPT | None:
     """A plain GPT with ``model``'s full parameters on ``device`` on rank zero, None elsewhere; a collective (one
-    all-gather per parameter, whatever the number of tokens sampled next)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank zero alone gets the tensors (host)
-    state = get_model_state_dict(model, options=options)
-    if not is_global_zero:
+    all-gather per parameter, whatever the number of tokens sampled next). A strategy that splits the model
+    (:class:`lit_ddp.strategies.PipelineStrategy`, FSDP2's) gathers it itself (``full_model_state``)."""
+    gather = getattr(trainer.strategy, "full_model_state", None)
+    if gather is not None:
+        state = gather(model)
+    else:  # rank zero alone gets the tensors (host)
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not trainer.is_global_zero:
         return None
     dtype = next(model.parameters()).dtype  # the shards' (bf16 under bf16-true)
     with torch.device(device):
-        copy = GPT(model.config).to(dtype)
+        copy = GPT(cast(GPTConfig, model.config)).to(dtype)
     copy.load_state_dict(state)
     return copy.eval()
 

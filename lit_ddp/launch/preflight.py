@@ -29,7 +29,10 @@ nothing already saved is touched and no process is left waiting for a peer (:fun
   (:func:`check_master_port`);
 - a ``--config`` file that is not valid YAML (:func:`check_config_files`);
 - an explicit ``--ckpt_path`` that is missing or not a complete checkpoint (:func:`check_ckpt_path`), or that
-  another LightningModule than the config's wrote (:func:`check_ckpt_matches_config`).
+  another LightningModule than the config's wrote (:func:`check_ckpt_matches_config`);
+- a pipeline (``PipelineStrategy``) the model, the data and the processes cannot run (:func:`check_pipeline`): an
+  unknown schedule, more stages than blocks, a batch the microbatches do not divide, sizes the world size does not
+  divide, ``compile``, fp16.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_ddp.errors import DamagedCheckpointError, UsageError
 from lit_ddp.launch.environment import config_value, devices_per_node, leading_int
+from lit_ddp.models.gpt import PRESETS
+from lit_ddp.models.parallelize import check_schedule, stages_per_rank_for
 from lit_ddp.run_dir import layout, untrusted
 from lit_ddp.run_dir.checkpoints import checkpoint_header, why_not_valid
 from lit_ddp.run_dir.layout import last_checkpoint
@@ -364,7 +369,9 @@ STAGES = ("arguments", "parsed", "built")
 LightningCLI reads ``--ckpt_path``, and before anything is instantiated."""
 
 
-def run_checks(stage: str, argv: list[str] | None = None, config: Any = None) -> dict[str, Any] | None:
+def run_checks(
+    stage: str, argv: list[str] | None = None, config: Any = None, training: bool = True
+) -> dict[str, Any] | None:
     """Every check lit-ddp makes before anything starts, in the order a user meets the problems; the CLI calls it
     at each of :data:`STAGES`, when the checks' inputs exist:
 
@@ -381,8 +388,10 @@ def run_checks(stage: str, argv: list[str] | None = None, config: Any = None) ->
       7. the launch: torchrun's and srun's layouts against the config (:func:`check_launch`);
       8. the machine: devices, precision (:func:`check_trainer`);
       9. ``MASTER_ADDR`` resolves and ``MASTER_PORT`` is free (:func:`check_master_addr`, :func:`check_master_port`);
-      10. ``--ckpt_path``'s tensors fit the model the config builds (:func:`lit_ddp.launch.model_size.check_ckpt_builds_model`);
-      11. the text the data module reads is UTF-8 (:func:`lit_ddp.launch.text_check.check_text_data`).
+      10. a pipeline's schedule, stages and microbatches fit its model, batch and processes (:func:`check_pipeline`;
+          ``training``: ``fit``, whose batches the microbatches split);
+      11. ``--ckpt_path``'s tensors fit the model the config builds (:func:`lit_ddp.launch.model_size.check_ckpt_builds_model`);
+      12. the text the data module reads is UTF-8 (:func:`lit_ddp.launch.text_check.check_text_data`).
 
     Returns:
         at ``"parsed"``, ``--ckpt_path``'s header where one is given (read once: the resume takes its step), else None.
@@ -416,6 +425,7 @@ def run_checks(stage: str, argv: list[str] | None = None, config: Any = None) ->
         from lit_ddp.launch.text_check import check_text_data
 
         run_preflight(config.get("trainer"))
+        check_pipeline(config, training=training)
         check_ckpt_builds_model(config.get("ckpt_path"), config.get("model"))
         check_text_data(config.get("data"))
         return None
@@ -585,3 +595,76 @@ def check_ckpt_matches_config(ckpt_path: str | None, model_config: Any, header: 
                 f"--ckpt_path {ckpt_path}: the checkpoint's model.init_args.{key}={saved!r} replaces the "
                 f"configured {given!r} (LightningCLI restores a checkpoint's hyperparameters)"
             )
+
+
+PIPELINE_STRATEGY = "PipelineStrategy"
+"""The class name of :class:`lit_ddp.strategies.PipelineStrategy` (named, not imported: the strategies import the
+launch layer)."""
+
+
+def check_pipeline(config: Any, training: bool = True) -> None:
+    """Checks a ``PipelineStrategy`` config against its model, data and processes before any process starts (the
+    strategy would refuse each once every process has started, or torch's schedule in the middle of the first step).
+    Other strategies: nothing.
+
+    Args:
+        config: the parsed config of the subcommand (``trainer``, ``model``, ``data``; Namespaces or dicts).
+        training: ``fit`` (a batch must split into the microbatches); evaluation takes batches of any size.
+
+    Raises:
+        UsageError: an unknown schedule, stages per rank or microbatches the schedule cannot run, more stages than
+            the GPT has blocks, a ``data.batch_size`` that ``n_microbatches`` does not divide (training), a world size (nodes x
+            devices) that ``pipeline_parallel_size`` x ``tensor_parallel_size`` does not divide, ``n_head`` that
+            ``tensor_parallel_size`` does not divide, ``model.compile`` set, fp16 precision.
+    """
+    trainer = config_value(config, "trainer")
+    strategy = config_value(trainer, "strategy")
+    if str(config_value(strategy, "class_path", "")).rsplit(".", 1)[-1] != PIPELINE_STRATEGY:
+        return
+    args = config_value(strategy, "init_args") or {}
+    pp = int(config_value(args, "pipeline_parallel_size", 2))
+    tp = int(config_value(args, "tensor_parallel_size", 1))
+    m = int(config_value(args, "n_microbatches", 4))
+    schedule = str(config_value(args, "schedule", "1F1B"))
+    prefix = "trainer.strategy.init_args."
+    try:
+        per_rank = stages_per_rank_for(schedule, config_value(args, "stages_per_rank"))
+        check_schedule(schedule, pp, m, per_rank)
+    except ValueError as e:
+        raise UsageError(f"{prefix}{e}") from None
+    model = config_value(config_value(config, "model"), "init_args") or {}
+    preset = PRESETS.get(str(config_value(model, "model_type", "gpt-mini")), {})
+    n_layer = config_value(model, "n_layer") or preset.get("n_layer")
+    if n_layer is not None and pp * per_rank > int(n_layer):
+        raise UsageError(
+            f"{prefix}pipeline_parallel_size={pp} x {per_rank} stage(s) per rank ({schedule}) = {pp * per_rank} "
+            f"stages for a GPT of n_layer={n_layer} blocks: give at most one stage per block (fewer ranks, a schedule "
+            "with fewer stages per rank, or a larger model.init_args.n_layer)"
+        )
+    n_head = config_value(model, "n_head") or preset.get("n_head")
+    if tp > 1 and n_head is not None and int(n_head) % tp:
+        raise UsageError(f"{prefix}tensor_parallel_size={tp} does not divide model.init_args.n_head={n_head}")
+    batch = config_value(config_value(config_value(config, "data"), "init_args") or {}, "batch_size")
+    if training and batch is not None and int(batch) % m:
+        raise UsageError(
+            f"data.init_args.batch_size={batch} does not split into {prefix}n_microbatches={m}: give a batch size "
+            f"that is a multiple of it (each rank's batch is cut into equal microbatches)"
+        )
+    devices = devices_per_node(config_value(trainer, "devices"))
+    nodes = int(config_value(trainer, "num_nodes", 1) or 1)
+    if devices is not None and (devices * nodes) % (pp * tp):
+        raise UsageError(
+            f"{prefix}pipeline_parallel_size={pp} x tensor_parallel_size={tp} does not divide the {devices * nodes} "
+            f"processes (trainer.devices={devices} x trainer.num_nodes={nodes}): give sizes whose product divides them"
+        )
+    if compile_choice := config_value(model, "compile"):
+        raise UsageError(
+            f"model.init_args.compile={compile_choice} does not work with PipelineStrategy (its stages run under "
+            "torch's pipeline schedule, not the module's forward): give false"
+        )
+    precision = str(config_value(trainer, "precision", None))
+    if precision.startswith("16"):
+        raise UsageError(
+            f"trainer.precision={precision} under PipelineStrategy: its loss scaler would not see the schedule's "
+            "backward; use bf16-mixed or 32-true"
+        )

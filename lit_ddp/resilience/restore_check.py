@@ -8,9 +8,9 @@ only: what a fit's state is, and how it is captured, is :mod:`lit_ddp.resilience
 each LR scheduler's state, the precision plugin's (a GradScaler's scale and growth tracker), this rank's RNG streams
 (torch, CUDA, numpy, Python; on another world size not, where rank r restores rank r mod n's by design), and where the
 checkpoint holds them as plain tensors (DDP, one device, on any world size: the same global state on every rank)
-every tensor of the module's ``state_dict()`` and each optimizer's state and param groups; under FSDP2 and tensor
-parallelism from a sharded checkpoint, which torch's distributed checkpoint loads in place, this rank's shard of each of
-them, against the checkpoint read a second time into copies (:func:`sharded_leaves`); on a resume mid-epoch, each train
+every tensor of the module's ``state_dict()`` and each optimizer's state and param groups; under FSDP2, tensor and
+pipeline parallelism from a sharded checkpoint, which torch's distributed checkpoint loads in place, this rank's shard
+(or pipeline stages) of each of them, against the checkpoint read a second time into copies (:func:`sharded_leaves`); on a resume mid-epoch, each train
 loader's :class:`~lit_ddp.data.samplers.GlobalOrderSampler` position (epoch and global sample), the dataset indices
 of the global batch that follows it and, for a loader with workers, the seed their RNGs start from, which each save
 records. Tensors bit for bit (``torch.equal``), other values by ``==``. Callbacks' states are restored (their
@@ -146,7 +146,7 @@ def check(
 ) -> None:
     """The restore check: ``saved`` (:func:`saved_leaves`, taken when the state arrived) against the live state
     (:func:`live_leaves`, with ``rng`` this rank's RNG states now); under FSDP2 and tensor parallelism this rank's
-    shards against the checkpoint read again (:func:`sharded_leaves`); ``positions``, ``(saved, live)``, the train
+    shards (a pipeline's stages) against the checkpoint read again (:func:`sharded_leaves`); ``positions``, ``(saved, live)``, the train
     loaders' positions where a resume continues an epoch (:func:`lit_ddp.resilience.state.loader_positions`).
     ``collective``: every rank compares and every rank raises alike (one ``all_gather_object``), so that no rank
     trains on while another stops; where all agree, rank zero says so in one line ("Restore check passed: ...",
@@ -160,7 +160,8 @@ def check(
     plain = plain_tensors(pl_module)
     live = live_leaves(trainer, pl_module, rng, tensors=plain)
     saved = dict(saved)
-    if not plain and (shards := sharded_leaves(trainer)) is not None:
+    # A pipeline's stages may hold plain tensors; a heal's state came from a peer, not from trainer.ckpt_path.
+    if collective and (shards := sharded_leaves(trainer)) is not None:
         saved.update(shards[0])
         live.update(shards[1])
     if positions is not None:

@@ -32,16 +32,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lit_ddp import compat
-from lit_ddp.models.parallelize import clip_grad_norm_, shard, tensor_parallel
+from lit_ddp.models.parallelize import GPTStages, clip_grad_norm_, shard, tensor_parallel
 from lit_ddp.run_dir import sharded, untrusted
 from lit_ddp.strategies import loopback
 
 
 def forward_is_collective(module: nn.Module) -> bool:
-    """Whether ``module`` holds FSDP2 units or tensor-parallel parameters (``DTensor``): then each forward all-gathers
-    or all-reduces, so every rank must run it (a text sample too: the same tokens everywhere, from a seeded
-    generator)."""
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+    """Whether ``module`` holds FSDP2 units, tensor-parallel parameters (``DTensor``) or pipeline stages
+    (:class:`~lit_ddp.models.parallelize.GPTStages`): then each forward all-gathers, all-reduces or passes
+    activations between ranks, so every rank must run it (a text sample too: the same tokens everywhere, from a
+    seeded generator)."""
+    return any(isinstance(m, FSDPModule | GPTStages) for m in module.modules()) or any(
         isinstance(p, DTensor) for p in module.parameters()
     )
 
@@ -135,21 +136,27 @@ class FSDP2Strategy(ModelParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if compile_choice := module.hparams.get("compile"):
-            raise ValueError(f"compile={compile_choice} does not work with FSDP2Strategy yet: give false")
+            raise ValueError(f"compile={compile_choice} does not work with {type(self).__name__} yet: give false")
+        dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
+        self.parallelize(module, dtype)
+        super().setup(trainer)  # then the optimizers, over the shards
+        if self.async_save and self._checkpoint_group is None:  # every rank, in step: a collective
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=compat.strategy_timeout(self))
+
+    def parallelize(self, module: Any, param_dtype: torch.dtype | None) -> None:
+        """Splits each of the LightningModule's child modules over the tensor-parallel mesh (with a plan) and shards
+        it over the data-parallel one, in place, before the optimizers are built; ``param_dtype``: the dtype FSDP2
+        gathers parameters in (bf16 under ``bf16-mixed``)."""
         if self.plan is not None:  # torch's clip_grad_norm_ refuses a mix of split (DTensor) and whole parameters
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
         mesh = self.device_mesh
         for child in module.children():
             if any(p.requires_grad for p in child.parameters()) and not forward_is_collective(child):
                 if self.plan is not None:
                     self.plan(child, mesh["tensor_parallel"])
                 if self.plan is None or mesh["data_parallel"].size() > 1:  # FSDP2 over one rank would only add hooks
-                    strided = [p for p in child.parameters() if p.ndim == 2 and _strided(p)]
-                    shard(child, mesh["data_parallel"], self.units, param_dtype=dtype, by_columns=strided)
-        super().setup(trainer)  # then the optimizers, over the shards
-        if self.async_save and self._checkpoint_group is None:  # every rank, in step: a collective
-            self._checkpoint_group = dist.new_group(backend="gloo", timeout=compat.strategy_timeout(self))
+                    strided = [p for p in child.parameters() if p.ndim == 2 and is_strided(p)]
+                    shard(child, mesh["data_parallel"], self.units, param_dtype=param_dtype, by_columns=strided)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         """The precision plugin's ``clip_grad_by_norm`` under tensor parallelism (Lightning's calls torch's)."""
@@ -231,7 +238,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if model is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
-        strided = any(_strided(p) for p in model.parameters())
+        strided = any(is_strided(p) for p in model.parameters())
         if not sharded.is_sharded(path):
             if strided:
                 raise ValueError(
@@ -248,12 +255,25 @@ class FSDP2Strategy(ModelParallelStrategy):
         with untrusted.bounded_by(model):
             untrusted.verify_path(path / sharded.META)  # before any shard is read into the model
             for key, restored in self.read_sharded_state(path, copy=False).items():
-                if key == "state_dict":
-                    model.load_state_dict(restored, strict=self.lightning_module.strict_loading)  # type: ignore[union-attr]
-                else:
-                    optimizer = self.optimizers[int(key.split("_")[1])]
-                    set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(cpu_offload=True))
+                self.apply_sharded_state(key, restored)
             return untrusted.load(path / sharded.META)
+
+    def apply_sharded_state(self, key: str, restored: dict[str, Any]) -> None:
+        """Puts one entry of :meth:`read_sharded_state` (``state_dict``, ``optimizer_<i>``) into the module or that
+        optimizer."""
+        model = self.model
+        assert model is not None and self.lightning_module is not None
+        if key == "state_dict":
+            model.load_state_dict(restored, strict=self.lightning_module.strict_loading)
+        else:
+            optimizer = self.optimizers[int(key.split("_")[1])]
+            set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(cpu_offload=True))
+
+    def full_model_state(self, model: nn.Module) -> dict[str, Any] | None:
+        """``model``'s full state dict (whole CPU tensors) on global rank zero, None elsewhere: one all-gather per
+        parameter. Collective."""
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.is_global_zero else None
 
     def sharded_state(self) -> dict[str, Any]:
         """The module's and optimizers' live state as a sharded checkpoint holds it: ``{"state_dict": ...,
@@ -283,7 +303,7 @@ def _copied(value: Any) -> Any:
 
 def _contiguous(value: Any) -> Any:
     """A ``DTensor`` split by strided rows, redistributed to the same rows split contiguously; others as they are."""
-    if not _strided(value):
+    if not is_strided(value):
         return value
     placements = [Shard(p.dim) if compat.is_strided_shard(p) else p for p in value.placements]
     return value.redistribute(value.device_mesh, placements)
@@ -325,7 +345,7 @@ def gpt_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return tensor_parallel(model, mesh, compat.strided_shard(0, split_factor=3))
 
 
-def _strided(tensor: torch.Tensor) -> bool:
+def is_strided(tensor: Any) -> bool:
     """Whether tensor parallelism split ``tensor`` (a parameter, or its optimizer state) by strided rows (c_attn's
     q, k and v)."""
     return isinstance(tensor, DTensor) and any(compat.is_strided_shard(p) for p in tensor.placements)

@@ -29,6 +29,7 @@ BASE = CONFIGS / "regression" / "single_device.yaml"
 DDP = "configs/trainer/ddp.yaml"
 FSDP = "configs/trainer/fsdp.yaml"
 TP = "configs/trainer/tp.yaml"
+PP = "configs/trainer/pp.yaml"
 # What slurm/train.sbatch composes before the config it is given (asserted in test_sbatch_composes_fragments).
 SBATCH_FRAGMENTS = [DDP, "configs/trainer/slurm.yaml"]
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -104,7 +105,7 @@ def test_readme_lists_every_step() -> None:
 
 
 def backend_on(strategy: dict, device: str) -> str:
-    """The process-group backend the config's strategy (DDP or FSDP2) would use on ``device``."""
+    """The process-group backend the config's strategy (DDP, FSDP2 or the pipeline's) would use on ``device``."""
     init_args = {k: v for k, v in strategy.get("init_args", {}).items() if k in ("process_group_backend", "timeout")}
     module, _, name = strategy["class_path"].rpartition(".")
     instance = getattr(importlib.import_module(module), name)(**init_args)
@@ -125,7 +126,8 @@ def test_readme_command_backend_and_timeout(command: str, capsys: pytest.Capture
         assert trainer["strategy"] in ("auto", None), command
         return
     strategy = trainer["strategy"]
-    assert isinstance(strategy, dict) and strategy["class_path"].endswith(("DDPStrategy", "FSDP2Strategy")), command
+    assert isinstance(strategy, dict), command
+    assert strategy["class_path"].endswith(("DDPStrategy", "FSDP2Strategy", "PipelineStrategy")), command
     assert strategy["init_args"]["process_group_backend"] is None, "no config may force a backend"
     assert backend_on(strategy, "cpu") == "gloo"
     assert backend_on(strategy, "cuda") == "nccl"
@@ -137,12 +139,12 @@ def test_readme_command_backend_and_timeout(command: str, capsys: pytest.Capture
 
 
 def test_multiprocess_configs_need_the_ddp_fragment(capsys: pytest.CaptureFixture) -> None:
-    """Every step config that starts several processes is composed with the DDP (or FSDP2, or TP) fragment first in the
-    README."""
+    """Every step config that starts several processes is composed with the DDP (or FSDP2, TP or PP) fragment first in
+    the README."""
     for command, configs in readme_compositions().items():
         trainer = resolved(configs, capsys)["trainer"]
         if int(trainer.get("devices") or 1) * int(trainer.get("num_nodes") or 1) > 1:
-            assert configs[0] in (DDP, FSDP, TP), command
+            assert configs[0] in (DDP, FSDP, TP, PP), command
 
 
 def leaves(node: object) -> int:

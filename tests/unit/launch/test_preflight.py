@@ -11,7 +11,7 @@ import pytest
 
 from lit_ddp.cli import cli_main
 from lit_ddp.errors import UsageError
-from lit_ddp.launch.preflight import check_launch, check_replica_group, check_trainer
+from lit_ddp.launch.preflight import check_launch, check_pipeline, check_replica_group, check_trainer
 from lit_ddp.launch.reporting import USAGE_EXIT_CODE
 from tests.helpers import QUIET, SLURM_PLUGIN, SRUN_2, SRUN_CONFIGS, compose, usage_error, without
 
@@ -242,3 +242,53 @@ def test_a_replica_group_trains_with_the_torchft_strategy_only(strategy: object,
         check_replica_group(trainer, env)
     name = strategy if isinstance(strategy, str) else strategy["class_path"]
     assert name in str(e.value) and "TorchFTStrategy" in str(e.value) and "\n" not in str(e.value)
+
+
+PIPELINE = "lit_ddp.strategies.PipelineStrategy"
+
+
+def pipeline_config(strategy: dict | None = None, model: dict | None = None, batch: int = 8, **trainer: object) -> dict:
+    """A fit's parsed config under PipelineStrategy (its init_args ``strategy``): gpt-nano (3 blocks, 3 heads)."""
+    return {
+        "trainer": {"devices": 2, "num_nodes": 1, "strategy": {"class_path": PIPELINE, "init_args": strategy or {}},
+                    **trainer},
+        "model": {"class_path": "lit_ddp.tasks.mingpt.GPTModule", "init_args": {"model_type": "gpt-nano", **(model or {})}},
+        "data": {"class_path": "lit_ddp.data.char.CharDataModule", "init_args": {"batch_size": batch}},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        (pipeline_config({"schedule": "Zigzag"}), "trainer.strategy.init_args.schedule='Zigzag' is not one of GPipe,"),
+        (pipeline_config({"schedule": "ZBVZeroBubble"}), "= 4 stages for a GPT of n_layer=3 blocks: give at most one"),
+        (pipeline_config({"pipeline_parallel_size": 4}, devices=4), "4 x 1 stage(s) per rank (1F1B) = 4 stages for"),
+        (pipeline_config(batch=6), "data.init_args.batch_size=6 does not split into trainer.strategy.init_args."),
+        (pipeline_config({"n_microbatches": 1}), "n_microbatches=1: 1F1B needs at least one per stage (>= 2)"),
+        (pipeline_config({"tensor_parallel_size": 2}, devices=2), "tensor_parallel_size=2 does not divide model.init_"),
+        (pipeline_config({"tensor_parallel_size": 2}, {"n_head": 4}, devices=2), "x tensor_parallel_size=2 does not"),
+        (pipeline_config(model={"compile": "blocks"}), "model.init_args.compile=blocks does not work with Pipeline"),
+        (pipeline_config(precision="16-mixed"), "trainer.precision=16-mixed under PipelineStrategy"),
+    ],
+)
+def test_a_pipeline_its_model_data_or_processes_cannot_run_is_refused(config: dict, says: str) -> None:
+    with pytest.raises(UsageError) as refused:
+        check_pipeline(config)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_pipeline_that_runs_and_other_strategies_pass() -> None:
+    check_pipeline(pipeline_config())
+    check_pipeline(pipeline_config({"schedule": "Interleaved1F1B"}, {"n_layer": 4}))
+    check_pipeline(pipeline_config({"tensor_parallel_size": 2, "pipeline_parallel_size": 1}, {"n_head": 4}))
+    check_pipeline(
+        {**pipeline_config(batch=6), "trainer": {"strategy": {"class_path": "lit_ddp.strategies.DDPStrategy"}}}
+    )
+
+
+def test_lit_ddp_fit_refuses_a_bad_pipeline_before_anything_starts(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    line = usage_error(capsys, "fit", *compose("trainer/pp", "mingpt/cpu"), "--data.batch_size", "30",
+                       "--trainer.default_root_dir", str(tmp_path), *QUIET)  # fmt: skip
+    assert "batch_size=30 does not split into trainer.strategy.init_args.n_microbatches=4" in line
