@@ -19,7 +19,10 @@ process's start read from ``/proc``). The parts:
 
 The bare fit has no ``lit-ddp imports``, ``parse`` or ``checks``. lit-ddp's own share is its total less the bare
 fit's. ``--configs``: the run (default: the regression of the README's step 1; ``--devices 2`` with
-``configs/trainer/ddp.yaml configs/mingpt/cpu.yaml`` is ``make train``'s on 2 processes).
+``configs/trainer/ddp.yaml configs/mingpt/cpu.yaml`` is ``make train``'s on 2 processes). ``--before DIR``: a third
+variant, the same command with the package of another checkout (``git worktree add DIR <commit>``), by turns with the
+other two: before and after in one run. Where that checkout has no single function of pre-start checks, their time
+stays in its ``parse``.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import time
 STARTED = time.perf_counter()  # before anything else of this module: the first line it runs
 
 import argparse  # noqa: E402 - after the first line's clock
+import functools  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -49,6 +54,9 @@ PARTS = [
     "first step",
 ]
 MARKS_ENV = "BENCH_STARTUP_MARKS"
+PACKAGE_ENV = "BENCH_STARTUP_PACKAGE"  # --before's checkout, first on sys.path (DDP's processes inherit it)
+if os.environ.get(PACKAGE_ENV):
+    sys.path.insert(0, os.environ[PACKAGE_ENV])
 
 
 def _process_age() -> float:
@@ -68,13 +76,16 @@ class Marks:
         self.offset = _process_age() - (time.perf_counter() - STARTED) - STARTED  # perf_counter -> process age
         self.times: dict[str, float] = {"interpreter": STARTED + self.offset}
         self.checks = 0.0
+        self.package = ""
 
     def mark(self, part: str) -> None:
         self.times[part] = time.perf_counter() + self.offset
 
     def write(self) -> None:
         if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0" and MARKS_ENV in os.environ:
-            Path(os.environ[MARKS_ENV]).write_text(json.dumps({**self.times, "checks time": self.checks}))
+            Path(os.environ[MARKS_ENV]).write_text(
+                json.dumps({**self.times, "checks time": self.checks, "package": self.package})
+            )
 
 
 MARKS = Marks()
@@ -102,19 +113,20 @@ def child_lit_ddp(configs: list[str], devices: int, root: str) -> None:
 
     MARKS.mark("torch + Lightning")
     from lit_ddp import cli
-    from lit_ddp.launch import preflight
 
     MARKS.mark("lit-ddp imports")
-    checks = preflight.run_checks
+    MARKS.package = str(Path(cli.__file__).resolve().parents[1])
+    checks = getattr(cli, "run_checks", None)  # absent in an older checkout (--before)
 
     def timed_checks(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return checks(*args, **kwargs)
+            return checks(*args, **kwargs)  # type: ignore[misc]
         finally:
             MARKS.checks += time.perf_counter() - t0
 
-    cli.run_checks = timed_checks  # type: ignore[assignment]  # the CLI's own reference
+    if checks is not None:
+        cli.run_checks = timed_checks  # type: ignore[attr-defined]  # the CLI's own reference
 
     class Timed(cli.LitDDPCLI):
         def before_instantiate_classes(self) -> None:
@@ -164,17 +176,23 @@ def child_lightning(configs: list[str], devices: int, root: str) -> None:
     trainer.fit(model, data)
 
 
-def measure(variant: str, configs: list[str], devices: int) -> dict[str, float]:
-    """One fresh process of ``variant`` (``lit-ddp`` or ``Lightning``): the seconds of each part."""
+def measure(variant: str, configs: list[str], devices: int, package: str | None = None) -> dict[str, float]:
+    """One fresh process of ``variant`` (``lit-ddp`` or ``Lightning``): the seconds of each part; ``package``: the
+    checkout whose ``lit_ddp`` it imports (else this one's)."""
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as work:
         marks = Path(work, "marks.json")
         cmd = [sys.executable, "-m", "bench.startup", "--child", variant, "--devices", str(devices),
                "--root", str(Path(work, "run")), "--configs", *configs]  # fmt: skip
         env = {**os.environ, MARKS_ENV: str(marks), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env.pop(PACKAGE_ENV, None)
+        if package is not None:  # its lit_ddp; bench.startup itself from this checkout
+            env[PACKAGE_ENV] = package
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0 or not marks.exists():
             raise RuntimeError(f"{variant} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
         times = json.loads(marks.read_text())
+    if package is not None and times["package"] != package:
+        raise RuntimeError(f"{variant} imported lit_ddp from {times['package']}, not {package}")
     seconds: dict[str, float] = {}
     previous = 0.0
     for part in PARTS:
@@ -194,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes of each variant, by turns")
     parser.add_argument("--child", choices=["lit-ddp", "Lightning"], help=argparse.SUPPRESS)
+    parser.add_argument("--before", metavar="DIR", help="another checkout, measured by turns with this one")
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -202,15 +221,21 @@ def main(argv: list[str] | None = None) -> int:
     from bench.harness.measure import alternate, markdown_table
 
     print(f"start-up of {' + '.join(args.configs)} on {args.devices} CPU process(es), {args.rounds} rounds by turns")
-    runs = alternate(
-        {v: (lambda v=v: measure(v, args.configs, args.devices)) for v in ("lit-ddp", "Lightning")}, args.rounds
-    )
+    variants: dict[str, Callable[[], dict[str, float]]] = {
+        v: functools.partial(measure, v, args.configs, args.devices) for v in ("lit-ddp", "Lightning")
+    }
+    if args.before:
+        package = str(Path(args.before).resolve())
+        before = functools.partial(measure, "lit-ddp", args.configs, args.devices, package)
+        variants = {"lit-ddp before": before, **variants}
+    runs = alternate(variants, args.rounds)
     median = {v: {p: statistics.median(r[p] for r in rs) for p in rs[0]} for v, rs in runs.items()}
     rows = [[p, *(f"{median[v][p]:.2f}" if p in median[v] else "-" for v in median)] for p in [*PARTS, "total"]]
     print(markdown_table(["part (median s)", *median], rows))
-    own = median["lit-ddp"]["total"] - median["Lightning"]["total"]
-    print(f"lit-ddp's own share of launch to the first step: {own:.2f} s "
-          f"({median['lit-ddp']['total']:.2f} s against a bare Trainer.fit's {median['Lightning']['total']:.2f} s)")  # fmt: skip
+    for v in [v for v in median if v.startswith("lit-ddp")]:
+        own = median[v]["total"] - median["Lightning"]["total"]
+        print(f"{v}: its own share of launch to the first step {own:.2f} s "
+              f"({median[v]['total']:.2f} s against a bare Trainer.fit's {median['Lightning']['total']:.2f} s)")  # fmt: skip
     return 0
 
 
