@@ -7,6 +7,7 @@ its stale state, and the launcher names it and exits non-zero: the job never end
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -108,7 +109,10 @@ def test_a_frozen_group_a_lost_lighthouse_and_a_late_group(tmp_path: Path, seed:
             assert job.poll() is None and time.monotonic() < deadline, "the survivors did not finish"
             time.sleep(0.05)
         time.sleep(1)  # their last save and exit
-        os.kill(late, signal.SIGCONT)  # it may now train alone from its stale step: the launcher must not let it
+        # It may now train alone from its stale step: the launcher must not let it. On a slow machine the launcher
+        # may have ended it already, stopped while the others finished (either ending is asserted below).
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(late, signal.SIGCONT)
         done = wait(job, timeout=90)
         out.append(done.stdout)
     finally:
@@ -144,7 +148,10 @@ def test_a_frozen_group_a_lost_lighthouse_and_a_late_group(tmp_path: Path, seed:
 
     assert job.returncode == 1, log[-3000:]
     assert re.search(r"the groups did not end with one model: group_2's final state differs from group_0's", log), log
-    assert re.search(r"group_2 (committed step \d+ after a group finished|did not finish within).*: SIGKILLed", log)
+    assert re.search(
+        r"group_2 (committed step \d+ after a group finished|did not finish within|has a stopped process).*: SIGKILLed",
+        log,
+    )
     assert "group_2 exited with -9; a group has finished: not restarted" in log, log[-3000:]
     (step_0, params_0), (step_1, params_1) = (final_parameters(tmp_path / "runs" / g) for g in ("group_0", "group_1"))
     assert step_0 == step_1 == MAX_STEPS
