@@ -30,8 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 MAX_STEPS = 400
 HOLD_AT = 70  # the survivors wait here until the frozen group's restart has begun (a test's moment, not a race)
-STALL_S = 8  # the launcher's --stall_timeout_s
-TIMEOUT_S = 5  # the strategy's timeout: what the frozen group costs the survivors' all-reduce
+# Sized for this 2-core VM beside another test: at 5 s, a new quorum's gloo connection after the lighthouse's restart
+# timed out there (a group then stood and was restarted), which this test's survivors must not be.
+STALL_S = 16  # the launcher's --stall_timeout_s
+TIMEOUT_S = 10  # the strategy's timeout: what the frozen group costs the survivors' all-reduce
 GROUPS = ("group_0", "group_1", "group_2")
 
 
@@ -46,7 +48,7 @@ def launch(tmp: Path, trace: Path, release: Path) -> subprocess.Popen:
         sys.executable, "-m", "lit_ddp.ft.launch", "--replica_groups", "3", "--root", str(tmp / "runs"),
         "--heartbeat_timeout_ms", "1000", "--stall_timeout_s", str(STALL_S), "--max_restarts", "2", "--",
         "fit", *compose("trainer/torchft", "regression/single_device"), "--config", str(callbacks),
-        "--trainer.strategy.init_args.timeout", f"0:00:0{TIMEOUT_S}",
+        "--trainer.strategy.init_args.timeout", f"0:00:{TIMEOUT_S:02d}",
         "--trainer.max_steps", str(MAX_STEPS), "--trainer.max_epochs", "-1", "--trainer.limit_val_batches", "0",
         "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip
