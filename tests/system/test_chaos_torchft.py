@@ -25,6 +25,29 @@ def fault_rows(stdout: str) -> list[list[str]]:
     return [line.split() for line in lines if line.strip() and line.split()[0].isdigit()]
 
 
+def run_chaos(
+    tmp_path: Path, runner: Runner, groups: int, chaos: list[str], fit: list[str], timeout: float, rust_log: str
+) -> tuple[str, str]:
+    """``lit-ddp chaos --launcher torchft`` over ``groups`` groups of the regression, each step slowed by 20 ms
+    (:class:`~tests.callbacks.StepTrace`); ``chaos``: its options, ``fit``: the fit's beyond the regression's.
+    Returns chaos's output and the end of the faulted run's log."""
+    names = [f"group_{i}" for i in range(groups)]
+    slow = write_callbacks_config(
+        tmp_path / "slow.yaml", callback(StepTrace, directory=str(tmp_path / "trace"), sleep=dict.fromkeys(names, 0.02))
+    )
+    cmd = lit_ddp("chaos", "--launcher", "torchft", "--replica_groups", str(groups), *chaos,
+                  "--root", str(tmp_path / "chaos"), "--",
+                  "fit", *compose("trainer/torchft", "regression/single_device"), "--config", str(slow), *fit,
+                  "--trainer.max_epochs", "-1", "--trainer.limit_val_batches", "0",
+                  "--trainer.num_sanity_val_steps", "0")  # fmt: skip
+    result = runner.run(cmd, timeout=timeout, OMP_NUM_THREADS="1", RUST_LOG=rust_log)
+    print(result.stdout)
+    faulted = tmp_path / "chaos" / "faulted.log"
+    log = faulted.read_text()[-4000:] if faulted.exists() else ""
+    assert result.returncode == 0, result.stdout + log
+    return result.stdout, log
+
+
 @pytest.mark.timeout(200)
 def test_chaos_kills_a_replica_group_and_the_other_goes_on(tmp_path: Path, runner: Runner, seed: int) -> None:
     """The report's facts: no survivor restart, the survivor's steps while group_1 was down, group_1 back, the
@@ -32,29 +55,17 @@ def test_chaos_kills_a_replica_group_and_the_other_goes_on(tmp_path: Path, runne
     Three runs of 400 steps (two uninterrupted, one faulted), each step slowed by 20 ms so that the killed group's
     restart (its imports, seconds on this VM) comes while the survivor still trains; the lighthouse's heartbeat
     timeout 2 s, so that the survivor goes on alone before the group is back."""
-    slow = write_callbacks_config(
-        tmp_path / "slow.yaml",
-        callback(StepTrace, directory=str(tmp_path / "trace"), sleep={"group_0": 0.02, "group_1": 0.02}),
-    )
-    cmd = lit_ddp("chaos", "--launcher", "torchft", "--replica_groups", "2", "--heartbeat_timeout_ms", "2000",
-                  "--faults", "1", "--kinds", "kill", "--seed", str(seed), "--root", str(tmp_path / "chaos"),
-                  "--timeout", "120", "--",
-                  "fit", *compose("trainer/torchft", "regression/single_device"), "--config", str(slow),
-                  "--trainer.max_steps", "400", "--trainer.max_epochs", "-1", "--trainer.limit_val_batches", "0",
-                  "--trainer.num_sanity_val_steps", "0")  # fmt: skip
-    result = runner.run(cmd, timeout=190, OMP_NUM_THREADS="1", RUST_LOG="warn")
-    print(result.stdout)
-    faulted = tmp_path / "chaos" / "faulted.log"
-    log = faulted.read_text()[-4000:] if faulted.exists() else ""
-    assert f"seed {seed}" in result.stdout, result.stdout
-    rows = fault_rows(result.stdout)
-    assert len(rows) == 1 and rows[0][1:3] == ["kill", "group_1"], result.stdout
+    chaos = ["--heartbeat_timeout_ms", "2000", "--faults", "1", "--kinds", "kill", "--seed", str(seed),
+             "--timeout", "120"]  # fmt: skip
+    stdout, log = run_chaos(tmp_path, runner, 2, chaos, ["--trainer.max_steps", "400"], timeout=190, rust_log="warn")
+    assert f"seed {seed}" in stdout, stdout
+    rows = fault_rows(stdout)
+    assert len(rows) == 1 and rows[0][1:3] == ["kill", "group_1"], stdout
     restarts, lost, during, back = rows[0][7:11]
-    assert restarts == "0", result.stdout  # the survivor kept its process
-    assert back != "-" and int(during) > 0, result.stdout + log  # it stepped on alone; the group came back
-    assert "groups: group_0, group_1 end identical, bit for bit" in result.stdout, result.stdout + log
-    assert "group_0: within 3 x the spread of two uninterrupted runs (seeds " in result.stdout
-    assert result.returncode == 0, result.stdout + log
+    assert restarts == "0", stdout  # the survivor kept its process
+    assert back != "-" and int(during) > 0, stdout + log  # it stepped on alone; the group came back
+    assert "groups: group_0, group_1 end identical, bit for bit" in stdout, stdout + log
+    assert "group_0: within 3 x the spread of two uninterrupted runs (seeds " in stdout
 
 
 @pytest.mark.timeout(1500)
@@ -66,29 +77,15 @@ def test_chaos_three_groups_a_kill_during_a_heal_a_hang_and_the_lighthouse(
     its step has stood ``--stall_timeout_s`` while the others commit, and it heals) and ``lighthouse`` (SIGKILLed,
     started again at its address). Per fault: no survivor restarted, the hit group back with the others; the three
     groups end identical bit for bit (the launcher's own check, and chaos's), and the calibrated verdict holds."""
-    slow = write_callbacks_config(
-        tmp_path / "slow.yaml",
-        callback(
-            StepTrace, directory=str(tmp_path / "trace"), sleep=dict.fromkeys(("group_0", "group_1", "group_2"), 0.02)
-        ),
-    )
-    cmd = lit_ddp("chaos", "--launcher", "torchft", "--replica_groups", "3", "--heartbeat_timeout_ms", "1000",
-                  "--stall_timeout_s", "8", "--faults", "3", "--kinds", "heal", "hang", "lighthouse",
-                  "--seed", str(seed), "--root", str(tmp_path / "chaos"), "--timeout", "500", "--",
-                  "fit", *compose("trainer/torchft", "regression/single_device"), "--config", str(slow),
-                  "--trainer.strategy.init_args.timeout", "0:00:05",
-                  "--trainer.max_steps", "1000", "--trainer.max_epochs", "-1", "--trainer.limit_val_batches", "0",
-                  "--trainer.num_sanity_val_steps", "0")  # fmt: skip
-    result = runner.run(cmd, timeout=1450, OMP_NUM_THREADS="1", RUST_LOG="error")
-    print(result.stdout)
-    faulted = tmp_path / "chaos" / "faulted.log"
-    log = faulted.read_text()[-4000:] if faulted.exists() else ""
-    assert f"seed {seed}" in result.stdout, result.stdout
-    rows = fault_rows(result.stdout)
-    assert sorted(row[1] for row in rows) == ["hang", "heal", "lighthouse"], result.stdout
+    chaos = ["--heartbeat_timeout_ms", "1000", "--stall_timeout_s", "8", "--faults", "3", "--kinds", "heal", "hang",
+             "lighthouse", "--seed", str(seed), "--timeout", "500"]  # fmt: skip
+    fit = ["--trainer.strategy.init_args.timeout", "0:00:05", "--trainer.max_steps", "1000"]
+    stdout, log = run_chaos(tmp_path, runner, 3, chaos, fit, timeout=1450, rust_log="error")
+    assert f"seed {seed}" in stdout, stdout
+    rows = fault_rows(stdout)
+    assert sorted(row[1] for row in rows) == ["hang", "heal", "lighthouse"], stdout
     for row in rows:
         restarts, back = row[7], row[10]
-        assert restarts == "0" and back != "-", result.stdout + log  # nobody else restarted; the group came back
+        assert restarts == "0" and back != "-", stdout + log  # nobody else restarted; the group came back
     assert "lit_ddp.ft.launch: every group finished with the same state" in log, log
-    assert "groups: group_0, group_1, group_2 end identical, bit for bit" in result.stdout, result.stdout + log
-    assert result.returncode == 0, result.stdout + log
+    assert "groups: group_0, group_1, group_2 end identical, bit for bit" in stdout, stdout + log

@@ -59,6 +59,19 @@ def job_processes(job: str) -> dict[int, tuple[str, str]]:
     return found
 
 
+def both_trained(job: str, trace: Path, out: Path, where: dict[int, tuple[str, str]], timeout: float) -> None:
+    """Waits until group_0 and group_1 have each committed 20 steps, gathering the job's processes into ``where``
+    (pid -> (Slurm step, node)) meanwhile; fails where the job ends or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while not (len(steps(trace, "group_0")) >= 20 and len(steps(trace, "group_1")) >= 20):
+        state = job_info(job).get("JobState")
+        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
+            f"the groups did not both train (job {state}):\n{out.read_text()[-3000:] if out.exists() else ''}"
+        )
+        where.update(job_processes(job))
+        time.sleep(0.2)
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("nproc", [1, 2], ids=["groups of 1 process", "groups of 2 processes"])
 def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_path: Path, nproc: int) -> None:
@@ -88,14 +101,7 @@ def test_a_killed_nodes_group_restarts_there_while_the_other_node_trains(tmp_pat
             "--time", "5", "--cpus-per-task", str(nproc)], MAX_RESTARTS="1", HEARTBEAT_TIMEOUT_MS="1000",
             RUST_LOG="warn", NPROC_PER_GROUP=str(nproc), SPARE_NODES="0",
         )  # fmt: skip
-        deadline = time.monotonic() + 90
-        while not (len(steps(trace, "group_0")) >= 20 and len(steps(trace, "group_1")) >= 20):
-            state = job_info(job).get("JobState")
-            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
-                f"the groups did not both train (job {state}):\n{out.read_text()[-3000:] if out.exists() else ''}"
-            )
-            where.update(job_processes(job))
-            time.sleep(0.2)
+        both_trained(job, trace, out, where, timeout=90)
         survivor_pid, victim_pid = steps(trace, "group_0")[-1][1], steps(trace, "group_1")[-1][1]
         where.update(job_processes(job))
         os.kill(victim_pid, signal.SIGKILL)  # this machine is every local node's
@@ -211,14 +217,7 @@ def test_a_lost_node_does_not_end_the_job_its_group_moves_to_the_spare(tmp_path:
             "slurm/train_torchft.sbatch", args, ["-J", f"ft-{uuid.uuid4().hex[:8]}", "-o", str(out), "--nodes", "3",
             "--time", "8"], MAX_RESTARTS="3", HEARTBEAT_TIMEOUT_MS="1000", RUST_LOG="warn",
         )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not (len(steps(trace, "group_0")) >= 20 and len(steps(trace, "group_1")) >= 20):
-            state = job_info(job).get("JobState")
-            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
-                f"the groups did not both train (job {state}):\n{out.read_text()[-3000:] if out.exists() else ''}"
-            )
-            where.update(job_processes(job))
-            time.sleep(0.2)
+        both_trained(job, trace, out, where, timeout=120)
         nodes = hostnames(job_info(job)["NodeList"])
         where.update(job_processes(job))
         survivor_pid, victim_pid = steps(trace, "group_0")[-1][1], steps(trace, "group_1")[-1][1]
