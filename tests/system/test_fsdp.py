@@ -71,9 +71,9 @@ def test_fsdp2_trains_what_ddp_trains(tmp_path: Path, runner: Runner) -> None:
 
 
 def final(root: Path) -> dict:
-    """A run's ``last.ckpt``: a file (DDP), or FSDP2's sharded directory consolidated."""
+    """A run's ``last.ckpt``: a file (DDP, one process), or a sharded directory (FSDP2, a pipeline) consolidated."""
     last = root / "checkpoints" / "last.ckpt"
-    return sharded.full_checkpoint(last) if last.is_dir() else torch.load(last, weights_only=False)
+    return sharded.full_checkpoint(last) if last.is_dir() else torch.load(last, weights_only=True)
 
 
 def fit_40(runner: Runner, text: Path, root: Path, strategy: str, devices: int, batch: int, *extra: str,
@@ -92,18 +92,22 @@ def fit_40(runner: Runner, text: Path, root: Path, strategy: str, devices: int, 
     return result.stdout
 
 
+def without_key_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """c_attn's bias without its key rows (q and v only), other tensors as they are: the key rows' true gradient is
+    zero (a vector added to every key shifts a query's scores alike, and softmax ignores that), so they hold only
+    float rounding scaled up to the learning rate by AdamW (see
+    :func:`test_tensor_parallel_trains_what_one_process_trains`), as large as the build's kernels make it. On torch
+    2.9.1's CUDA wheel a DDP checkpoint resumed under FSDP2 ended with them 1.0e-5 apart (relative, the whole bias)
+    where the q and v rows were within 9e-8."""
+    return torch.cat(t.chunk(3)[::2]) if name.endswith("attn.c_attn.bias") else t
+
+
 def worst_drift(a: dict, b: dict) -> float:
-    """The largest relative difference (in norm) between two state dicts' tensors, but for the key rows of c_attn's
-    bias: their true gradient is zero, so they hold only float rounding scaled up to the learning rate by AdamW
-    (see :func:`test_tensor_parallel_trains_what_one_process_trains`), as large as the build's kernels make it. On
-    torch 2.9.1's CUDA wheel a DDP checkpoint resumed under FSDP2 ended with them 1.0e-5 apart (relative, the whole
-    bias) where the q and v rows were within 9e-8."""
-
-    def without_keys(name: str, t: torch.Tensor) -> torch.Tensor:
-        return torch.cat(t.chunk(3)[::2]) if name.endswith("attn.c_attn.bias") else t  # q and v
-
+    """The largest relative difference (in norm) between two state dicts' tensors, c_attn's key bias rows left out
+    (:func:`without_key_rows`)."""
     return max(
-        ((without_keys(k, b[k]) - without_keys(k, t)).norm() / without_keys(k, t).norm()).item() for k, t in a.items()
+        ((without_key_rows(k, b[k]) - without_key_rows(k, t)).norm() / without_key_rows(k, t).norm()).item()
+        for k, t in a.items()
     )
 
 

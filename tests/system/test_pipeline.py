@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ddp.run_dir import sharded
 from lit_ddp.tensorboard import read_scalars
 from tests.helpers import QUIET, Runner, compose, lit_ddp, torchrun, write_callbacks_config
+from tests.system.test_fsdp import final, worst_drift
 
 STEPS = 50
 
@@ -32,19 +32,6 @@ def tiny(root: Path, trainer: str, *extra: str, command: str = "fit") -> list[st
     )  # fmt: skip
 
 
-def final(root: Path) -> dict:
-    """A run's ``last.ckpt``: a file (one process), or a pipeline's sharded directory consolidated."""
-    last = root / "checkpoints" / "last.ckpt"
-    return sharded.full_checkpoint(last) if last.is_dir() else torch.load(last, weights_only=True)
-
-
-def without_key_rows(name: str, t: torch.Tensor) -> torch.Tensor:
-    """c_attn's bias without its key rows, whose true gradient is zero (a vector added to every key shifts a query's
-    scores alike, and softmax ignores that): they hold float rounding scaled up by AdamW, each run's own (the same
-    reason as ``tests/system/test_fsdp.py``'s)."""
-    return torch.cat(t.chunk(3)[::2]) if name.endswith("attn.c_attn.bias") else t
-
-
 def differences(one: Path, other: Path) -> dict[str, float]:
     """The largest relative difference of train/loss (every step) and val/loss, and the largest absolute and
     relative (in norm, c_attn's key bias rows left out) difference of a final parameter tensor, between two runs."""
@@ -56,10 +43,7 @@ def differences(one: Path, other: Path) -> dict[str, float]:
     a, b = final(one)["state_dict"], final(other)["state_dict"]
     assert a.keys() == b.keys(), set(a) ^ set(b)
     out["parameters (absolute)"] = max((b[k] - t).abs().max().item() for k, t in a.items())
-    out["parameters (relative)"] = max(
-        ((without_key_rows(k, b[k]) - without_key_rows(k, t)).norm() / without_key_rows(k, t).norm()).item()
-        for k, t in a.items()
-    )
+    out["parameters (relative)"] = worst_drift(a, b)
     return out
 
 
