@@ -282,7 +282,10 @@ class StepTrace(Callback):
     read in ``training_step``: the batch the step trained, which a heal replaces, not the one the loop fetched.
 
     With ``hold_at`` and ``hold_until``, the batch of step ``hold_at`` waits until the file ``hold_until`` exists
-    (a test's moment, such as another process ready, without racing the steps)."""
+    (a test's moment, such as another process ready, without racing the steps).
+
+    With ``under``, only runs whose ``default_root_dir`` has a directory of that name sleep (chaos's faulted run,
+    ``<root>/faulted/group_<i>``, and not its uninterrupted ones, whose pace nothing reads)."""
 
     def __init__(
         self,
@@ -291,6 +294,7 @@ class StepTrace(Callback):
         indices: bool = False,
         hold_at: int | None = None,
         hold_until: str | None = None,
+        under: str | None = None,
     ) -> None:
         self.group = os.environ.get("REPLICA_GROUP_ID", "group_0")
         rank = int(os.environ.get("RANK", "0"))  # a group of several processes (torchrun): one file per rank
@@ -298,10 +302,13 @@ class StepTrace(Callback):
         self.sleep = (sleep or {}).get(self.group, 0.0)
         self.indices = indices
         self.hold_at, self.hold_until = hold_at, hold_until
+        self.under = under
         self.trained = ""
         os.makedirs(directory, exist_ok=True)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.under is not None and self.under not in Path(trainer.default_root_dir).parts:
+            self.sleep = 0.0
         if not self.indices or stage != "fit":
             return
         inputs = trainer.datamodule.train_set.tensors[0]

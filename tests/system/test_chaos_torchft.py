@@ -26,15 +26,22 @@ def fault_rows(stdout: str) -> list[list[str]]:
 
 
 def run_chaos(
-    tmp_path: Path, runner: Runner, groups: int, chaos: list[str], fit: list[str], timeout: float, rust_log: str
+    tmp_path: Path,
+    runner: Runner,
+    groups: int,
+    chaos: list[str],
+    fit: list[str],
+    sleep: float,
+    timeout: float,
+    rust_log: str,
 ) -> tuple[str, str]:
-    """``lit-ddp chaos --launcher torchft`` over ``groups`` groups of the regression, each step slowed by 20 ms
-    (:class:`~tests.callbacks.StepTrace`); ``chaos``: its options, ``fit``: the fit's beyond the regression's.
-    Returns chaos's output and the end of the faulted run's log."""
+    """``lit-ddp chaos --launcher torchft`` over ``groups`` groups of the regression, each step of the faulted run
+    slowed by ``sleep`` seconds (:class:`~tests.callbacks.StepTrace`; the uninterrupted runs go at full speed);
+    ``chaos``: its options, ``fit``: the fit's beyond the regression's. Returns chaos's output and the end of the
+    faulted run's log."""
     names = [f"group_{i}" for i in range(groups)]
-    slow = write_callbacks_config(
-        tmp_path / "slow.yaml", callback(StepTrace, directory=str(tmp_path / "trace"), sleep=dict.fromkeys(names, 0.02))
-    )
+    trace = callback(StepTrace, directory=str(tmp_path / "trace"), sleep=dict.fromkeys(names, sleep), under="faulted")
+    slow = write_callbacks_config(tmp_path / "slow.yaml", trace)
     cmd = lit_ddp("chaos", "--launcher", "torchft", "--replica_groups", str(groups), *chaos,
                   "--root", str(tmp_path / "chaos"), "--",
                   "fit", *compose("trainer/torchft", "regression/single_device"), "--config", str(slow), *fit,
@@ -48,16 +55,19 @@ def run_chaos(
     return result.stdout, log
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(600)
 def test_chaos_kills_a_replica_group_and_the_other_goes_on(tmp_path: Path, runner: Runner, seed: int) -> None:
     """The report's facts: no survivor restart, the survivor's steps while group_1 was down, group_1 back, the
     groups bit-identical, the calibrated verdict (within 3 x the spread of a rerun with another seed).
-    Three runs of 400 steps (two uninterrupted, one faulted), each step slowed by 20 ms so that the killed group's
-    restart (its imports, seconds on this VM) comes while the survivor still trains; the lighthouse's heartbeat
-    timeout 2 s, so that the survivor goes on alone before the group is back."""
+    Three runs of 400 steps (two uninterrupted, one faulted). The fault comes by step 205 at the latest (chaos's
+    ``delay x S / 2`` steps after the groups' first common step), and the faulted run's steps are slowed by 70 ms,
+    so that the survivor still trains at least 195 x 70 ms = 14 s later: the killed group's restart (its imports,
+    then the heal) took 5.1 s on a quiet day here, and more than the 6 s that 20 ms steps left in a full suite run.
+    The lighthouse's heartbeat timeout 2 s, so that the survivor goes on alone before the group is back."""
     chaos = ["--heartbeat_timeout_ms", "2000", "--faults", "1", "--kinds", "kill", "--seed", str(seed),
-             "--timeout", "120"]  # fmt: skip
-    stdout, log = run_chaos(tmp_path, runner, 2, chaos, ["--trainer.max_steps", "400"], timeout=190, rust_log="warn")
+             "--timeout", "180"]  # fmt: skip
+    fit = ["--trainer.max_steps", "400"]
+    stdout, log = run_chaos(tmp_path, runner, 2, chaos, fit, sleep=0.07, timeout=560, rust_log="warn")
     assert f"seed {seed}" in stdout, stdout
     rows = fault_rows(stdout)
     assert len(rows) == 1 and rows[0][1:3] == ["kill", "group_1"], stdout
@@ -80,7 +90,7 @@ def test_chaos_three_groups_a_kill_during_a_heal_a_hang_and_the_lighthouse(
     chaos = ["--heartbeat_timeout_ms", "1000", "--stall_timeout_s", "8", "--faults", "3", "--kinds", "heal", "hang",
              "lighthouse", "--seed", str(seed), "--timeout", "500"]  # fmt: skip
     fit = ["--trainer.strategy.init_args.timeout", "0:00:05", "--trainer.max_steps", "1000"]
-    stdout, log = run_chaos(tmp_path, runner, 3, chaos, fit, timeout=1450, rust_log="error")
+    stdout, log = run_chaos(tmp_path, runner, 3, chaos, fit, sleep=0.02, timeout=1450, rust_log="error")
     assert f"seed {seed}" in stdout, stdout
     rows = fault_rows(stdout)
     assert sorted(row[1] for row in rows) == ["hang", "heal", "lighthouse"], stdout
