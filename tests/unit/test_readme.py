@@ -66,6 +66,18 @@ def test_output_blocks_are_written_by_the_script() -> None:
         assert TOOL.resolve(blocks[name].command) == TOOL.resolve(blocks[source].command)
 
 
+def test_a_block_reads_the_same_wherever_other_processes_lines_fall() -> None:
+    """step3's block against a fresh run in which another line fell between torchrun's two lines about the killed
+    worker (a full suite run's did): the same block. A shown line missing, or one more, is a difference."""
+    block = {b.name: b for b in TOOL.blocks(README.read_text())}["step3"].shown
+    closing = next(i for i, line in enumerate(block) if "closing signal" in line)
+    assert "failed (exitcode" in block[closing + 1]  # adjacent in the documented run
+    interleaved = [*block[: closing + 1], "...", *block[closing + 1 :]]
+    assert TOOL.differences("step3", block, interleaved, 0.0) == []
+    assert TOOL.differences("step3", block, [line for line in block if "closing signal" not in line], 0.0)
+    assert TOOL.differences("step3", block, [*block, "Resuming from runs/x/checkpoints/last.ckpt"], 0.0)
+
+
 def readme_command_lines() -> list[str]:
     return [line for fence in fences(README.read_text(), "bash") for line in fence.splitlines()]
 
