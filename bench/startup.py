@@ -44,6 +44,8 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench.harness.launch import process_age  # noqa: E402
+
 PARTS = [
     "interpreter",
     "torch + Lightning",
@@ -60,21 +62,11 @@ if os.environ.get(PACKAGE_ENV):
     sys.path.insert(0, os.environ[PACKAGE_ENV])
 
 
-def _process_age() -> float:
-    """Seconds since this process started (``/proc/self/stat``'s start time against the system's uptime)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    with open("/proc/self/stat") as f:
-        started = int(f.read().rsplit(")", 1)[1].split()[19]) / ticks
-    with open("/proc/uptime") as f:
-        uptime = float(f.read().split()[0])
-    return uptime - started
-
-
 class Marks:
     """When each part ended, in seconds since the process started, written by rank zero at the first step."""
 
     def __init__(self) -> None:
-        self.offset = _process_age() - (time.perf_counter() - STARTED) - STARTED  # perf_counter -> process age
+        self.offset = process_age() - (time.perf_counter() - STARTED) - STARTED  # perf_counter -> process age
         self.times: dict[str, float] = {"interpreter": STARTED + self.offset}
         self.checks = 0.0
         self.package = ""

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -101,12 +102,16 @@ def gloo_group(rank: int = 0, world: int = 1, port: int | None = None) -> Iterat
         dist.destroy_process_group()
 
 
-def process_started_at(pid: int | str = "self") -> float:
-    """When process ``pid`` started, seconds since the epoch (Linux ``/proc``, +-1 s: the boot time is whole
-    seconds)."""
+def process_age(pid: int | str = "self") -> float:
+    """Seconds since process ``pid`` started (Linux ``/proc``: its start in clock ticks after boot against the
+    system's uptime, to a tick, 10 ms)."""
     since_boot = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-    stat = Path("/proc/stat").read_text().splitlines()
-    return next(float(line.split()[1]) for line in stat if line.startswith("btime")) + since_boot
+    return float(Path("/proc/uptime").read_text().split()[0]) - since_boot
+
+
+def process_started_at(pid: int | str = "self") -> float:
+    """When process ``pid`` started, seconds since the epoch (:func:`process_age` before now)."""
+    return time.time() - process_age(pid)
 
 
 def become_subreaper() -> None:
